@@ -1,0 +1,15 @@
+"""ckptzip: lossless, GPU-accelerated compression of PyTorch checkpoints."""
+__version__ = "0.1.0"
+
+from .errors import (ChecksumError, CkptzipError, CodecError, CorruptFileError,  # noqa: E402
+                     GPURequiredError, PickleNotAllowedError, TensorNotFoundError,
+                     TruncatedFileError, UnknownCodecError, UnsupportedObjectError,
+                     UnsupportedVersionError)
+from .api import CheckpointReader, load, open, save  # noqa: E402,A004
+
+__all__ = [
+    "save", "load", "open", "CheckpointReader",
+    "CkptzipError", "CorruptFileError", "TruncatedFileError", "ChecksumError",
+    "UnsupportedVersionError", "UnknownCodecError", "CodecError", "GPURequiredError",
+    "PickleNotAllowedError", "UnsupportedObjectError", "TensorNotFoundError",
+]

@@ -1,0 +1,252 @@
+"""Public API: ``save``, ``load`` and the lazy reader ``open``."""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import __version__
+from .codecs.base import MAX_CHUNK, Codec, get_codec
+from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, Plan, decode_storage, encode_window,
+                     rows_array, storage_plan_from_manifest, windows, write_chunks)
+from .errors import CkptzipError, CorruptFileError, TensorNotFoundError, UnknownCodecError
+from .format import (FOOTER_SIZE, HEADER_SIZE, check_header, pack_footer, pack_header,
+                     pack_manifest, parse_footer, parse_manifest)
+from .storage import atomic_write, pread_into
+from .transforms import BytePlane
+from .tree import Decoder, Encoder, StorageRef, tensor_paths
+
+Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
+
+
+def _choose(ref: StorageRef, codec: str | dict, transform: str | None, chunk_size: int,
+            level: int | None, codecs: dict) -> Plan:
+    """The plan for one storage: codec='auto' picks byteplane+zstd for floats, zstd otherwise."""
+    if isinstance(codec, dict):
+        cfg = dict(codec)
+    else:
+        cfg = {"id": "zstd" if codec == "auto" else codec}
+    local = {"level": level} if (level is not None and cfg["id"] in ("zstd", "deflate")) else {}
+    key = (repr(sorted(cfg.items())), repr(local))
+    if key not in codecs:
+        codecs[key] = get_codec(cfg, "cpu", **local)
+    c = codecs[key]
+    tf = None
+    use_tf = transform == "byteplane" or (transform == "auto" and c.wire_id != "raw")
+    nbytes = ref.data.numel()
+    if use_tf and ref.float_width and nbytes % ref.float_width == 0:
+        tf = BytePlane(ref.float_width, max(1, min(chunk_size, MAX_CHUNK // ref.float_width)))
+    return Plan(tf, c, min(chunk_size, c.max_chunk))
+
+
+def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", transform: str | None = "auto",
+         chunk_size: int = DEFAULT_CHUNK, level: int | None = None, metadata: Mapping[str, str] | None = None,
+         allow_pickle: bool = False, fsync: bool = True, progress: Progress | None = None,
+         window: int = DEFAULT_WINDOW) -> dict[str, Any]:
+    """Save ``obj`` (a state dict or any nesting of containers, tensors and plain values) to ``path``.
+
+    ``codec``: ``"auto"``, a wire id (``"zstd"``, ``"raw"``, ``"deflate"``; GPU ids once available)
+    or a wire config dict. ``transform``: ``"auto"`` (byte planes for floats), ``"byteplane"`` or
+    ``None``. The write is atomic. Returns a summary ``{"raw_bytes", "stored_bytes", "path"}``.
+    """
+    if not isinstance(chunk_size, int) or not 64 <= chunk_size <= MAX_CHUNK:
+        raise ValueError(f"chunk_size must be between 64 and {MAX_CHUNK} bytes")
+    if transform not in ("auto", "byteplane", None):
+        raise ValueError("transform must be 'auto', 'byteplane' or None")
+    meta = dict(metadata or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise TypeError("metadata must map str to str")
+    enc = Encoder(allow_pickle=allow_pickle)
+    root = enc.encode(obj)
+    codecs: dict = {}
+    plans = [_choose(r, codec, transform, chunk_size, level, codecs) for r in enc.storages]
+    total = sum(r.data.numel() for r in enc.storages)
+    rows: list = []
+    entries = []
+    with atomic_write(path, fsync=fsync) as f:
+        f.write(pack_header())
+        pos = HEADER_SIZE
+        for ref, plan in zip(enc.storages, plans):
+            first = len(rows)
+            nbytes = ref.data.numel()
+            for a, b, offs, sizes in windows(nbytes, plan.transform, plan.chunk_size, window):
+                stream, comp, doffs, dsizes = encode_window(plan, ref.data[a:b], offs, sizes)
+                pos = write_chunks(f, pos, _host(stream), _host(comp), offs, sizes, doffs, dsizes, rows)
+                if progress:
+                    progress(b - a, total)
+            entries.append({
+                "nbytes": nbytes, "elem": ref.elem, "device": ref.device,
+                "transforms": [plan.transform.get_config()] if plan.transform else [],
+                "codec": plan.codec.get_config(), "rows": [first, len(rows) - first],
+            })
+        doc = {"format": "ckz", "version": [1, 0], "created_by": f"ckptzip {__version__}",
+               "meta": meta, "n_chunks": len(rows), "storages": entries, "root": root}
+        manifest = pack_manifest(doc, rows_array(rows))
+        f.write(manifest)
+        f.write(pack_footer(pos, manifest))
+        size = pos + len(manifest) + FOOTER_SIZE
+    return {"path": os.fspath(path), "raw_bytes": total, "stored_bytes": size}
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return (t if t.device.type == "cpu" else t.cpu()).numpy()
+
+
+def _resolve_device(saved: str, map_location: Any) -> torch.device:
+    if map_location is None:
+        dev = torch.device(saved)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            return torch.device("cpu")
+        return dev
+    if isinstance(map_location, Mapping):
+        return torch.device(map_location.get(saved, saved))
+    if callable(map_location):
+        return torch.device(map_location(saved))
+    return torch.device(map_location)
+
+
+class CheckpointReader:
+    """Lazy reader over one .ckz file: keys, metadata and single tensors without reading the rest.
+
+    Use as a context manager: ``with ckptzip.open(path) as r: w = r.get_tensor("model.fc.weight")``.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, map_location: Any = None, allow_pickle: bool = False,
+                 progress: Progress | None = None) -> None:
+        self.path = os.fspath(path)
+        self.map_location = map_location
+        self.allow_pickle = allow_pickle
+        self.progress = progress
+        self._fd = os.open(self.path, os.O_RDONLY)
+        try:
+            self._open()
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def _open(self) -> None:
+        size = os.fstat(self._fd).st_size
+        head = bytearray(min(size, HEADER_SIZE))
+        if head:
+            pread_into(self._fd, memoryview(head), 0)
+        check_header(bytes(head))
+        if size < HEADER_SIZE + FOOTER_SIZE:
+            parse_footer(b"", size)
+        foot = bytearray(FOOTER_SIZE)
+        pread_into(self._fd, memoryview(foot), size - FOOTER_SIZE)
+        off, length, digest = parse_footer(bytes(foot), size)
+        raw = bytearray(length)
+        pread_into(self._fd, memoryview(raw), off)
+        self.manifest = parse_manifest(bytes(raw), digest, off)
+        self.file_size = size
+        self._paths: dict[str, Any] | None = None
+
+    # -- metadata ---------------------------------------------------------------------------
+    @property
+    def metadata(self) -> dict[str, str]:
+        return dict(self.manifest.doc.get("meta", {}))
+
+    @property
+    def storages(self) -> list[dict[str, Any]]:
+        return self.manifest.doc["storages"]
+
+    def _tensor_nodes(self) -> dict[str, Any]:
+        if self._paths is None:
+            self._paths = tensor_paths(self.manifest.doc["root"])
+        return self._paths
+
+    def keys(self) -> list[str]:
+        """Dotted paths of every tensor and numpy array in the checkpoint."""
+        return list(self._tensor_nodes())
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._tensor_nodes()
+
+    def stored_bytes(self, index: int) -> int:
+        first, count = self.storages[index]["rows"]
+        return int(self.manifest.rows["stored"][first:first + count].astype(np.int64).sum())
+
+    # -- data -------------------------------------------------------------------------------
+    def _storage_index(self, node: dict[str, Any]) -> int:
+        s = node.get("s")
+        if type(s) is not int or not 0 <= s < len(self.storages):
+            raise CorruptFileError(f"tensor refers to storage {s!r}, which does not exist")
+        return s
+
+    def _storage(self, node: dict[str, Any]) -> torch.Tensor:
+        i = self._storage_index(node)
+        if i not in self._cache:
+            s = self.storages[i]
+            dev = _resolve_device(s.get("device", "cpu") if node.get("t") == "tensor" else "cpu",
+                                  self.map_location if node.get("t") == "tensor" else "cpu")
+            work = "cuda" if dev.type == "cuda" else "cpu"
+            try:
+                tf, codec = storage_plan_from_manifest(s, work)
+            except CkptzipError:
+                if work == "cpu":
+                    raise
+                tf, codec = storage_plan_from_manifest(s, "cpu")
+            first, count = s["rows"]
+            total = self._total_bytes()
+            prog = (lambda n: self.progress(n, total)) if self.progress else None
+            self._cache[i] = decode_storage(self._fd, self.manifest.rows[first:first + count],
+                                            s["nbytes"], tf, codec, dev, progress=prog)
+        return self._cache[i]
+
+    def _total_bytes(self) -> int:
+        return sum(s["nbytes"] for s in self.storages)
+
+    def get_tensor(self, key: str) -> Any:
+        """One tensor (or numpy array) by dotted key, reading only its own chunks."""
+        node = self._tensor_nodes().get(key)
+        if node is None:
+            raise TensorNotFoundError(key)
+        return Decoder(self._storage, self.allow_pickle).decode(node)
+
+    def load(self) -> Any:
+        """The whole object, as ``ckptzip.load`` returns it."""
+        obj = Decoder(self._storage, self.allow_pickle).decode(self.manifest.doc["root"])
+        self._cache.clear()
+        return obj
+
+    def verify(self) -> None:
+        """Decode every storage (checking every checksum); raises on the first failure."""
+        for i in range(len(self.storages)):
+            self._storage({"s": i, "t": "ndarray"})
+            self._cache.pop(i, None)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def open(path: str | os.PathLike, **kwargs: Any) -> CheckpointReader:  # noqa: A001
+    """Open a checkpoint lazily (see :class:`CheckpointReader`)."""
+    return CheckpointReader(path, **kwargs)
+
+
+def load(path: str | os.PathLike, *, map_location: Any = None, allow_pickle: bool = False,
+         progress: Progress | None = None) -> Any:
+    """Load what :func:`save` wrote. Tensors come back bit-exact, on their saved device unless
+    ``map_location`` (``"cpu"``, ``"cuda"``, a ``torch.device``, a dict or a callable) says
+    otherwise. Pickled objects load only with ``allow_pickle=True``."""
+    with CheckpointReader(path, map_location=map_location, allow_pickle=allow_pickle,
+                          progress=progress) as r:
+        return r.load()

@@ -1,0 +1,116 @@
+"""The codec interface and the registry.
+
+A *codec* turns a batch of byte chunks into a batch of compressed chunks and back. Its *wire id*
+("zstd", "ans", ...) and its *wire config* (the parameters a decoder needs) name a bitstream
+format; several implementations of one wire format may be registered (``"cpu"`` and ``"cuda"``),
+and any of them must decode what any other wrote. Encoding and decoding work on one flat ``uint8``
+torch tensor carved by offset/size tables, so CPU and GPU implementations share one signature.
+"""
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import GPURequiredError, UnknownCodecError
+
+#: Largest uncompressed chunk any reader accepts (ANS's own limit is 16 MiB).
+MAX_CHUNK = 16 * 1024 * 1024
+
+
+class Codec(abc.ABC):
+    """One implementation of one wire format.
+
+    Subclasses set ``wire_id``, ``device`` (``"cpu"`` or ``"cuda"``) and ``max_chunk``, accept their
+    wire config as keyword arguments and implement :meth:`encode` and :meth:`decode`.
+    """
+
+    wire_id: ClassVar[str]
+    device: ClassVar[str] = "cpu"
+    max_chunk: ClassVar[int] = MAX_CHUNK
+    #: config keys that the decoder needs and that therefore go into the manifest
+    config_keys: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, **config: Any) -> None:
+        unknown = set(config) - set(self.config_keys) - set(self.local_keys())
+        if unknown:
+            raise UnknownCodecError(f"codec {self.wire_id!r} has no option(s) {sorted(unknown)}")
+        self.config = config
+
+    @classmethod
+    def local_keys(cls) -> tuple[str, ...]:
+        """Options that only steer this implementation (threads, level...) and are not stored."""
+        return ()
+
+    def get_config(self) -> dict[str, Any]:
+        """The wire config: ``{"id": wire_id, **params needed to decode}``."""
+        cfg = {"id": self.wire_id}
+        cfg.update({k: self.config[k] for k in self.config_keys if k in self.config})
+        return cfg
+
+    @abc.abstractmethod
+    def encode(self, src: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]
+               ) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Compress ``src[offsets[i]:offsets[i]+sizes[i]]`` for every i.
+
+        Returns ``(dst, dst_offsets, dst_sizes)``: one ``uint8`` tensor on this codec's device that
+        holds every compressed chunk. ``src`` is never modified.
+        """
+
+    @abc.abstractmethod
+    def decode(self, src: torch.Tensor, src_offsets: Sequence[int], src_sizes: Sequence[int],
+               dst: torch.Tensor, dst_offsets: Sequence[int], dst_sizes: Sequence[int]) -> None:
+        """Decompress each compressed chunk into the preallocated ``dst`` slice of exactly
+        ``dst_sizes[i]`` bytes; raise :class:`~ckptzip.CodecError` if a chunk does not decode to
+        exactly that many bytes."""
+
+
+_REGISTRY: dict[str, dict[str, type[Codec]]] = {}
+
+
+def register(cls: type[Codec]) -> type[Codec]:
+    """Class decorator: make ``cls`` an implementation of its wire id on its device."""
+    _REGISTRY.setdefault(cls.wire_id, {})[cls.device] = cls
+    return cls
+
+
+def registered() -> dict[str, list[str]]:
+    """``{wire_id: [devices]}`` of every registered implementation."""
+    _load_optional()
+    return {k: sorted(v) for k, v in sorted(_REGISTRY.items())}
+
+
+def _load_optional() -> None:
+    from . import gpu  # noqa: F401  (registers the nvCOMP implementations; imports nvcomp lazily)
+
+
+def get_codec(config: dict[str, Any] | str, device: str = "cpu", **local: Any) -> Codec:
+    """An implementation of ``config`` (a wire config dict or a bare wire id) for ``device``.
+
+    ``device`` is ``"cpu"`` or ``"cuda"``. A wire format with only a GPU implementation raises
+    :class:`GPURequiredError` when asked for on the CPU or when no usable GPU is present.
+    """
+    _load_optional()
+    if isinstance(config, str):
+        config = {"id": config}
+    if not isinstance(config, dict) or not isinstance(config.get("id"), str):
+        raise UnknownCodecError(f"malformed codec config {config!r}")
+    wire_id = config["id"]
+    impls = _REGISTRY.get(wire_id)
+    if not impls:
+        raise UnknownCodecError(f"unknown codec {wire_id!r}; known: {sorted(_REGISTRY)}")
+    params = {k: v for k, v in config.items() if k != "id"}
+    cls = impls.get(device)
+    if cls is None:
+        if device == "cpu":
+            raise GPURequiredError(
+                f"codec {wire_id!r} can only be decoded on a CUDA GPU with nvCOMP "
+                f"(pip install 'ckptzip[cu13]'); on a GPU machine, make a CPU-readable copy with "
+                f"`ckptzip convert IN OUT --codec zstd`")
+        cls = impls["cpu"]  # a CPU implementation serves any device (data is staged through host)
+    if cls.device == "cuda":
+        from .gpu import require_gpu
+        require_gpu(wire_id)
+    return cls(**params, **local)

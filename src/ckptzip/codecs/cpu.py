@@ -1,0 +1,166 @@
+"""CPU implementations of the standard wire formats: ``raw``, ``zstd`` (zstd frames) and
+``deflate`` (raw RFC 1951 deflate streams). Chunks are processed in parallel threads; both
+libraries release the GIL while they work."""
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import zstandard
+
+from ..errors import CodecError
+from .base import Codec, register
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1),
+                                       thread_name_prefix="ckptzip")
+        return _POOL
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A zero-copy numpy view of a contiguous CPU uint8 tensor."""
+    if t.device.type != "cpu" or t.dtype != torch.uint8 or not t.is_contiguous():
+        raise ValueError("expected a contiguous CPU uint8 tensor")
+    return t.numpy()
+
+
+def _pmap(fn: Callable[[int], Any], n: int) -> list[Any]:
+    if n <= 1:
+        return [fn(i) for i in range(n)]
+    return list(_pool().map(fn, range(n)))
+
+
+class _ByteCodec(Codec):
+    """Shared driver: per-chunk ``_compress(bytes)->bytes`` and ``_decompress(bytes, n)->bytes``."""
+
+    def _compress(self, data: memoryview) -> bytes:
+        raise NotImplementedError
+
+    def _decompress(self, data: memoryview, n: int) -> bytes:
+        raise NotImplementedError
+
+    def encode(self, src, offsets, sizes):
+        a = as_numpy(src)
+        outs = _pmap(lambda i: self._compress(memoryview(a[offsets[i]:offsets[i] + sizes[i]])),
+                     len(sizes))
+        out_sizes = [len(o) for o in outs]
+        out_offsets = np.concatenate([[0], np.cumsum(out_sizes[:-1], dtype=np.int64)]).tolist() \
+            if outs else []
+        dst = torch.empty(sum(out_sizes), dtype=torch.uint8)
+        d = dst.numpy()
+        for o, off, n in zip(outs, out_offsets, out_sizes):
+            d[off:off + n] = np.frombuffer(o, dtype=np.uint8)
+        return dst, out_offsets, out_sizes
+
+    def decode(self, src, src_offsets, src_sizes, dst, dst_offsets, dst_sizes):
+        a, d = as_numpy(src), as_numpy(dst)
+
+        def one(i: int) -> None:
+            n = dst_sizes[i]
+            try:
+                out = self._decompress(memoryview(a[src_offsets[i]:src_offsets[i] + src_sizes[i]]), n)
+            except CodecError:
+                raise
+            except Exception as e:  # library errors on corrupt streams become named errors
+                raise CodecError(f"{self.wire_id}: chunk {i} does not decode: {e}") from None
+            if len(out) != n:
+                raise CodecError(f"{self.wire_id}: chunk {i} decoded to {len(out)} bytes, expected {n}")
+            d[dst_offsets[i]:dst_offsets[i] + n] = np.frombuffer(out, dtype=np.uint8)
+
+        _pmap(one, len(src_sizes))
+
+
+@register
+class RawCPU(_ByteCodec):
+    """Identity: the chunk is stored as is."""
+    wire_id: ClassVar[str] = "raw"
+
+    def _compress(self, data):
+        return bytes(data)
+
+    def _decompress(self, data, n):
+        return bytes(data)
+
+
+@register
+class ZstdCPU(_ByteCodec):
+    """Standard zstd frames (RFC 8878) through the ``zstandard`` library."""
+    wire_id: ClassVar[str] = "zstd"
+
+    @classmethod
+    def local_keys(cls):
+        return ("level",)
+
+    def __init__(self, **config):
+        super().__init__(**config)
+        self.level = int(config.get("level", 3))
+        self._tls = threading.local()
+
+    def _cctx(self) -> zstandard.ZstdCompressor:
+        c = getattr(self._tls, "c", None)
+        if c is None:
+            c = self._tls.c = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
+        return c
+
+    def _dctx(self) -> zstandard.ZstdDecompressor:
+        d = getattr(self._tls, "d", None)
+        if d is None:
+            d = self._tls.d = zstandard.ZstdDecompressor()
+        return d
+
+    def _compress(self, data):
+        return self._cctx().compress(data)
+
+    def _decompress(self, data, n):
+        # max_output_size bounds the allocation by the size the manifest declares (no bombs);
+        # frames without a content size (as nvCOMP writes them) are streamed, also bounded.
+        try:
+            return self._dctx().decompress(data, max_output_size=n)
+        except zstandard.ZstdError as e:
+            if "could not determine content size" not in str(e):
+                raise
+        parts, got = [], 0
+        with self._dctx().stream_reader(data, read_across_frames=False) as r:
+            while got <= n:
+                part = r.read(n + 1 - got)
+                if not part:
+                    break
+                parts.append(part)
+                got += len(part)
+        if got > n:
+            raise CodecError(f"zstd: chunk decodes to more than the declared {n} bytes")
+        return b"".join(parts)
+
+
+@register
+class DeflateCPU(_ByteCodec):
+    """Raw deflate streams (RFC 1951, no zlib/gzip wrapper) through the standard library."""
+    wire_id: ClassVar[str] = "deflate"
+
+    @classmethod
+    def local_keys(cls):
+        return ("level",)
+
+    def _compress(self, data):
+        c = zlib.compressobj(int(self.config.get("level", 6)), zlib.DEFLATED, -15)
+        return c.compress(data) + c.flush()
+
+    def _decompress(self, data, n):
+        d = zlib.decompressobj(-15)
+        out = d.decompress(data, n)
+        if d.unconsumed_tail or not d.eof:
+            raise CodecError("deflate: stream longer than declared or incomplete")
+        return out

@@ -1,0 +1,138 @@
+"""Format v1 framing: header, chunk table, manifest and footer (normative text: docs/format.md).
+
+Every number read here is checked before anything is sized or sought from it.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from .codecs.base import MAX_CHUNK
+from .errors import (ChecksumError, CorruptFileError, TruncatedFileError,
+                     UnsupportedVersionError)
+
+MAGIC = b"CKPTZIP\x00"
+FOOTER_MAGIC = b"CKZ1END\x00"
+VERSION = (1, 0)
+HEADER = struct.Struct("<8sHHI")          # magic, major, minor, flags
+FOOTER = struct.Struct("<QQQ8s")          # manifest offset, manifest length, xxh3-64, magic
+HEADER_SIZE, FOOTER_SIZE = HEADER.size, FOOTER.size   # 16, 32
+#: one chunk-table row: file offset, stored bytes, raw bytes, xxh3-64 of the stored bytes, flags
+ROW = np.dtype([("offset", "<u8"), ("stored", "<u4"), ("raw", "<u4"), ("xxh3", "<u8"),
+                ("flags", "u1")])
+FLAG_STORED_RAW = 1
+#: limits that keep a hostile manifest from steering allocations or recursion
+MAX_MANIFEST = 1 << 30
+MAX_STORAGE_BYTES = 1 << 50
+MAX_DEPTH = 200
+
+
+def checksum(data) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def pack_header() -> bytes:
+    return HEADER.pack(MAGIC, VERSION[0], VERSION[1], 0)
+
+
+def pack_manifest(doc: dict[str, Any], rows: np.ndarray) -> bytes:
+    body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    pad = (-(4 + len(body))) % 8
+    return struct.pack("<I", len(body)) + body + b" " * pad + rows.astype(ROW).tobytes()
+
+
+def pack_footer(manifest_offset: int, manifest: bytes) -> bytes:
+    return FOOTER.pack(manifest_offset, len(manifest), checksum(manifest), FOOTER_MAGIC)
+
+
+def check_header(raw: bytes) -> None:
+    if len(raw) < HEADER_SIZE:
+        raise TruncatedFileError("file is shorter than the 16-byte header")
+    magic, major, minor, _flags = HEADER.unpack(raw[:HEADER_SIZE])
+    if magic != MAGIC:
+        raise CorruptFileError("not a ckptzip file (bad magic)")
+    if major != VERSION[0]:
+        raise UnsupportedVersionError(f"format version {major}.{minor}; this reader reads {VERSION[0]}.x")
+
+
+def parse_footer(raw: bytes, file_size: int) -> tuple[int, int, int]:
+    if file_size < HEADER_SIZE + FOOTER_SIZE:
+        raise TruncatedFileError(f"file of {file_size} bytes is too short for header and footer")
+    off, length, digest, magic = FOOTER.unpack(raw)
+    if magic != FOOTER_MAGIC:
+        raise TruncatedFileError("no footer at the end of the file (truncated or incomplete write)")
+    end = file_size - FOOTER_SIZE
+    if not (HEADER_SIZE <= off <= end and 4 <= length <= MAX_MANIFEST and off + length == end):
+        raise CorruptFileError(f"footer locates the manifest at [{off}, +{length}) in a file of {file_size}")
+    return off, length, digest
+
+
+@dataclass
+class Manifest:
+    doc: dict[str, Any]
+    rows: np.ndarray          # structured ROW array
+    data_end: int             # first byte after the data section (= manifest offset)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise CorruptFileError(f"invalid manifest: {msg}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_manifest(raw: bytes, digest: int, data_end: int) -> Manifest:
+    if checksum(raw) != digest:
+        raise ChecksumError("manifest checksum mismatch")
+    (jlen,) = struct.unpack_from("<I", raw)
+    _need(4 + jlen <= len(raw), "JSON length beyond the manifest")
+    try:
+        doc = json.loads(raw[4:4 + jlen].decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise CorruptFileError(f"manifest JSON does not parse: {e}") from None
+    _need(isinstance(doc, dict), "top level is not an object")
+    ver = doc.get("version")
+    _need(isinstance(ver, list) and len(ver) == 2 and all(_is_int(v) for v in ver), "version")
+    if ver[0] != VERSION[0]:
+        raise UnsupportedVersionError(f"manifest version {ver}; this reader reads {VERSION[0]}.x")
+    _need(doc.get("format") == "ckz", "format tag")
+    n = doc.get("n_chunks")
+    tstart = 4 + jlen + (-(4 + jlen)) % 8
+    _need(_is_int(n) and n >= 0 and tstart + n * ROW.itemsize == len(raw), "chunk table size")
+    rows = np.frombuffer(raw, dtype=ROW, count=n, offset=tstart) if n else np.zeros(0, ROW)
+    if n:
+        off = rows["offset"].astype(np.uint64)
+        stored = rows["stored"].astype(np.uint64)
+        _need(bool(np.all(off >= HEADER_SIZE)) and bool(np.all(off + stored <= data_end)),
+              "chunk outside the data section")
+        _need(bool(np.all(rows["raw"] >= 1)) and bool(np.all(rows["raw"] <= MAX_CHUNK)), "chunk raw size")
+        _need(bool(np.all(rows["stored"] >= 1)) and bool(np.all(rows["stored"] <= rows["raw"])),
+              "chunk stored size")
+        _need(bool(np.all(rows["flags"] <= FLAG_STORED_RAW)), "chunk flags")
+        raw_flag = rows["flags"] == FLAG_STORED_RAW
+        _need(bool(np.all(rows["stored"][raw_flag] == rows["raw"][raw_flag])), "raw chunk sizes")
+    _need(isinstance(doc.get("meta", {}), dict), "meta")
+    storages = doc.get("storages")
+    _need(isinstance(storages, list), "storages")
+    used = np.zeros(n, dtype=bool)
+    for i, s in enumerate(storages):
+        _need(isinstance(s, dict), f"storage {i}")
+        nb, rr = s.get("nbytes"), s.get("rows")
+        _need(_is_int(nb) and 0 <= nb <= MAX_STORAGE_BYTES, f"storage {i} nbytes")
+        _need(isinstance(rr, list) and len(rr) == 2 and all(_is_int(x) for x in rr)
+              and 0 <= rr[0] and 0 <= rr[1] and rr[0] + rr[1] <= n, f"storage {i} rows")
+        _need(isinstance(s.get("codec"), dict) and isinstance(s.get("transforms", []), list),
+              f"storage {i} codec/transforms")
+        sl = slice(rr[0], rr[0] + rr[1])
+        _need(not used[sl].any(), f"storage {i} shares chunk rows with another storage")
+        used[sl] = True
+        _need(int(rows["raw"][sl].astype(np.uint64).sum()) == nb, f"storage {i} chunk sizes do not add up")
+    _need("root" in doc, "root")
+    return Manifest(doc, rows, data_end)

@@ -1,0 +1,56 @@
+"""Files: atomic writes (temp in the same directory, fsync, rename, fsync of the directory) and
+bounds-checked positional reads."""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from .errors import TruncatedFileError
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, fsync: bool = True) -> Iterator[BinaryIO]:
+    """Yield a file opened for writing beside ``path``; on success it replaces ``path`` in one
+    rename, on any exception (or a crash) ``path`` is untouched and the temp file is removed."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            yield f
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if fsync:
+        _fsync_dir(directory)
+
+
+def pread_into(fd: int, buf: memoryview, offset: int) -> None:
+    """Fill ``buf`` from ``offset`` of ``fd`` or raise TruncatedFileError."""
+    got = 0
+    n = len(buf)
+    while got < n:
+        k = os.preadv(fd, [buf[got:]], offset + got)
+        if k <= 0:
+            raise TruncatedFileError(f"file ends inside a declared range at offset {offset + got}")
+        got += k

@@ -1,0 +1,105 @@
+"""Transforms: reversible rearrangements applied to a storage's bytes before the codec.
+
+One implementation in torch ops serves CPU and CUDA tensors alike (same wire format).
+
+``byteplane`` (wire config ``{"id": "byteplane", "width": w, "block": b}``): the storage is read as
+little-endian words of ``w`` bytes (2, 4 or 8). Each word is rotated left by one bit, which moves
+the sign bit beside the mantissa so that the exponent fills the top byte. The words are cut into
+blocks of ``b`` words (the last block may be shorter); each block is written as ``w`` planes,
+plane ``k`` holding byte ``k`` (least significant first) of every word of the block. Blocks are
+self-contained, so any run of blocks can be decoded alone (random access, bounded GPU windows).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .codecs.base import MAX_CHUNK
+from .errors import UnknownCodecError
+
+_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+#: transform ids that format v1 reserves for later versions (delta against another tensor of this
+#: file or of a base checkpoint, XOR against a base); a v1 reader names them in its error
+RESERVED = ("delta", "xor", "derived")
+
+
+class BytePlane:
+    wire_id = "byteplane"
+
+    def __init__(self, width: int, block: int) -> None:
+        if width not in _INT or not isinstance(block, int) or not 1 <= block <= MAX_CHUNK:
+            raise UnknownCodecError(f"byteplane: unsupported width={width!r} block={block!r}")
+        self.width, self.block = width, block
+
+    def get_config(self) -> dict[str, Any]:
+        return {"id": self.wire_id, "width": self.width, "block": self.block}
+
+    def accepts(self, nbytes: int) -> bool:
+        return nbytes % self.width == 0
+
+    def segments(self, nbytes: int) -> list[tuple[int, int]]:
+        """(offset, size) of every plane of every block in the transformed stream."""
+        w, b = self.width, self.block
+        n = nbytes // w
+        out, off = [], 0
+        for start in range(0, n, b):
+            m = min(b, n - start)
+            for _ in range(w):
+                out.append((off, m))
+                off += m
+        return out
+
+    def block_span(self, nbytes: int) -> int:
+        """Bytes of the original storage covered by one block."""
+        return self.block * self.width
+
+    def encode(self, src: torch.Tensor) -> torch.Tensor:
+        """A new uint8 tensor (same device) holding the planes; ``src`` is never modified."""
+        w, b = self.width, self.block
+        n = src.numel() // w
+        bits = 8 * w
+        v = src.view(_INT[w])
+        rot = (v << 1) | ((v >> (bits - 1)) & 1)
+        rb = rot.view(torch.uint8).view(n, w)
+        out = torch.empty_like(src)
+        full = n // b * b
+        if full:
+            nb = full // b
+            out[: full * w].view(nb, w, b).copy_(rb[:full].view(nb, b, w).permute(0, 2, 1))
+        if n > full:
+            out[full * w:].view(w, n - full).copy_(rb[full:].t())
+        return out
+
+    def decode(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Inverse of :meth:`encode`, written into the preallocated uint8 ``dst``."""
+        w, b = self.width, self.block
+        n = src.numel() // w
+        bits = 8 * w
+        full = n // b * b
+        dv = dst.view(n, w)
+        if full:
+            nb = full // b
+            dv[:full].view(nb, b, w).copy_(src[: full * w].view(nb, w, b).permute(0, 2, 1))
+        if n > full:
+            dv[full:].copy_(src[full * w:].view(w, n - full).t())
+        v = dst.view(_INT[w])
+        maxpos = (1 << (bits - 1)) - 1
+        hi = v << (bits - 1)
+        v.bitwise_right_shift_(1).bitwise_and_(maxpos).bitwise_or_(hi)
+
+
+def get_transform(config: Any):
+    if not isinstance(config, dict) or not isinstance(config.get("id"), str):
+        raise UnknownCodecError(f"malformed transform config {config!r}")
+    tid = config["id"]
+    if tid == "byteplane":
+        width, block = config.get("width"), config.get("block")
+        if set(config) - {"id", "width", "block"}:
+            raise UnknownCodecError(f"byteplane: unknown options in {config!r}")
+        return BytePlane(width, block)
+    if tid in RESERVED:
+        raise UnknownCodecError(f"transform {tid!r} is reserved by format v1 and not supported by "
+                                f"this version of ckptzip")
+    raise UnknownCodecError(f"unknown transform {tid!r}")

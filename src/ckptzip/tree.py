@@ -1,0 +1,277 @@
+"""Object tree <-> manifest nodes. Tensors become references to deduplicated storages, so views,
+non-contiguous tensors and tensors that share memory come back exactly as they were saved."""
+from __future__ import annotations
+
+import base64
+import collections
+import math
+import pickle
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import CorruptFileError, PickleNotAllowedError, UnsupportedObjectError
+from .format import MAX_DEPTH
+
+_SKIP = {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values()
+    if isinstance(d, torch.dtype) and str(d).removeprefix("torch.") not in _SKIP
+}
+NP_KINDS = "biufc"
+
+
+def dtype_name(d: torch.dtype) -> str:
+    name = str(d).removeprefix("torch.")
+    if name not in DTYPES:
+        raise UnsupportedObjectError(f"tensors of dtype {d} are not supported")
+    return name
+
+
+@dataclass
+class StorageRef:
+    """One storage to write: its bytes as a flat uint8 tensor plus the element dtype hint."""
+    data: torch.Tensor        # flat uint8, on the tensor's device, never written to
+    elem: str                 # dtype name (torch) or numpy dtype str used to pick a transform
+    device: str
+    float_width: int          # 2, 4 or 8 for floating element types, else 0
+
+
+def _float_width(d: torch.dtype) -> int:
+    return d.itemsize if (d.is_floating_point and d.itemsize in (2, 4, 8)) else 0
+
+
+@dataclass
+class Encoder:
+    allow_pickle: bool = False
+    storages: list[StorageRef] = field(default_factory=list)
+    _index: dict[tuple[str, int, int], int] = field(default_factory=dict)
+    _keep: list[Any] = field(default_factory=list)
+
+    def _storage(self, t: torch.Tensor) -> int:
+        st = t.untyped_storage()
+        key = (str(t.device), st.data_ptr(), st.nbytes())
+        if st.nbytes() == 0:
+            key = (str(t.device), -len(self.storages), 0)  # empty storages are never shared
+        idx = self._index.get(key)
+        if idx is None:
+            flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
+            idx = len(self.storages)
+            self._index[key] = idx
+            self.storages.append(StorageRef(flat, dtype_name(t.dtype), str(t.device),
+                                            _float_width(t.dtype)))
+            self._keep.append(st)
+        return idx
+
+    def tensor(self, t: torch.Tensor) -> dict[str, Any]:
+        if t.layout != torch.strided or t.is_quantized or t.device.type not in ("cpu", "cuda"):
+            raise UnsupportedObjectError(
+                f"only dense CPU/CUDA tensors are supported (got layout={t.layout}, device={t.device})")
+        node: dict[str, Any] = {"t": "tensor"}
+        if isinstance(t, torch.nn.Parameter):
+            node["param"] = True
+            node["rg"] = bool(t.requires_grad)
+            t = t.data
+        elif type(t) is not torch.Tensor:
+            raise UnsupportedObjectError(f"tensor subclass {type(t).__name__} is not supported")
+        elif t.requires_grad:
+            node["rg"] = True
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+        node.update(s=self._storage(t), dtype=dtype_name(t.dtype), shape=list(t.shape),
+                    stride=list(t.stride()), offset=t.storage_offset())
+        return node
+
+    def ndarray(self, a: np.ndarray) -> dict[str, Any]:
+        if a.dtype.kind not in NP_KINDS + "?" or a.dtype.fields is not None or a.dtype.hasobject:
+            raise UnsupportedObjectError(f"numpy arrays of dtype {a.dtype} are not supported")
+        a = np.ascontiguousarray(a)
+        flat = torch.from_numpy(a.reshape(-1).view(np.uint8).copy())
+        idx = len(self.storages)
+        fw = a.dtype.itemsize if a.dtype.kind == "f" and a.dtype.itemsize in (2, 4, 8) \
+            and a.dtype.byteorder in "<=|" else 0
+        self.storages.append(StorageRef(flat, a.dtype.str, "cpu", fw))
+        return {"t": "ndarray", "s": idx, "dtype": a.dtype.str, "shape": list(a.shape)}
+
+    def encode(self, obj: Any, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            raise UnsupportedObjectError(f"object nesting deeper than {MAX_DEPTH}")
+        d = depth + 1
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj)
+        if type(obj) is int:
+            return {"t": "int", "v": str(obj)}
+        if type(obj) is float:
+            return {"t": "float", "v": struct.pack("<d", obj).hex()}
+        if type(obj) in (dict, collections.OrderedDict):
+            tag = "dict" if type(obj) is dict else "odict"
+            return {"t": tag, "k": [self._key(k) for k in obj], "v": [self.encode(v, d) for v in obj.values()]}
+        if type(obj) is list:
+            return {"t": "list", "v": [self.encode(v, d) for v in obj]}
+        if type(obj) is tuple:
+            return {"t": "tuple", "v": [self.encode(v, d) for v in obj]}
+        if type(obj) is torch.Size:
+            return {"t": "size", "v": [int(x) for x in obj]}
+        if isinstance(obj, torch.dtype):
+            return {"t": "dtype", "v": dtype_name(obj)}
+        if isinstance(obj, torch.device):
+            return {"t": "device", "v": str(obj)}
+        if type(obj) in (bytes, bytearray):
+            return {"t": "bytes" if type(obj) is bytes else "bytearray", "v": base64.b64encode(obj).decode()}
+        if isinstance(obj, np.ndarray) and type(obj) is np.ndarray:
+            return self.ndarray(obj)
+        if isinstance(obj, np.generic) and obj.dtype.kind in NP_KINDS + "?":
+            return {"t": "npscalar", "dtype": obj.dtype.str, "v": obj.tobytes().hex()}
+        if self.allow_pickle:
+            return {"t": "pickle", "v": base64.b64encode(pickle.dumps(obj, protocol=4)).decode()}
+        raise UnsupportedObjectError(
+            f"cannot store an object of type {type(obj).__module__}.{type(obj).__qualname__} without "
+            f"pickle; pass allow_pickle=True (and load with allow_pickle=True) or convert it")
+
+    def _key(self, k: Any) -> Any:
+        if isinstance(k, str) or type(k) in (int, bool) or k is None or type(k) is float \
+                or type(k) is tuple:
+            return self.encode(k)
+        if self.allow_pickle:
+            return self.encode(k)
+        raise UnsupportedObjectError(f"dict keys of type {type(k).__name__} are not supported")
+
+
+def _bad(msg: str) -> CorruptFileError:
+    return CorruptFileError(f"invalid object tree: {msg}")
+
+
+def _ints(x: Any, what: str, lo: int = 0) -> list[int]:
+    if not isinstance(x, list) or not all(type(v) is int and v >= lo for v in x):
+        raise _bad(what)
+    return x
+
+
+def view_extent(shape: list[int], stride: list[int], offset: int) -> int:
+    """Elements of storage a strided view needs (0 for an empty view)."""
+    if any(s == 0 for s in shape):
+        return 0
+    return offset + sum((n - 1) * st for n, st in zip(shape, stride)) + 1
+
+
+class Decoder:
+    """Rebuilds the object from nodes; ``storage(i, node)`` supplies storage i's bytes."""
+
+    def __init__(self, storage_fn, allow_pickle: bool) -> None:
+        self.storage_fn = storage_fn
+        self.allow_pickle = allow_pickle
+
+    def tensor_meta(self, node: dict[str, Any], storage_nbytes: int) -> tuple[torch.dtype, list, list, int]:
+        name = node.get("dtype")
+        if name not in DTYPES:
+            raise _bad(f"unknown dtype {name!r}")
+        dt = DTYPES[name]
+        shape = _ints(node.get("shape"), "shape")
+        stride = _ints(node.get("stride"), "stride")
+        off = node.get("offset")
+        if len(stride) != len(shape) or type(off) is not int or off < 0 or len(shape) > 64:
+            raise _bad("tensor stride/offset")
+        if view_extent(shape, stride, off) * dt.itemsize > storage_nbytes:
+            raise _bad("tensor view reaches beyond its storage")
+        return dt, shape, stride, off
+
+    def decode(self, n: Any, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            raise _bad("nesting too deep")
+        d = depth + 1
+        if n is None or isinstance(n, (bool, str)):
+            return n
+        if not isinstance(n, dict) or not isinstance(n.get("t"), str):
+            raise _bad(f"node {str(n)[:60]!r}")
+        t, v = n["t"], n.get("v")
+        try:
+            if t == "tensor":
+                st = self.storage_fn(n)  # flat uint8 tensor
+                dt, shape, stride, off = self.tensor_meta(n, st.numel())
+                base = st.view(dt) if st.numel() % dt.itemsize == 0 else st[: st.numel() // dt.itemsize * dt.itemsize].view(dt)
+                out = torch.as_strided(base, shape, stride, off)
+                if n.get("param"):
+                    return torch.nn.Parameter(out, requires_grad=bool(n.get("rg")))
+                if n.get("rg"):
+                    out.requires_grad_(True)
+                return out
+            if t == "int":
+                if not isinstance(v, str) or len(v) > 100_000:
+                    raise _bad("int")
+                return int(v)
+            if t == "float":
+                return struct.unpack("<d", bytes.fromhex(v))[0]
+            if t in ("dict", "odict"):
+                ks, vs = n.get("k"), v
+                if not isinstance(ks, list) or not isinstance(vs, list) or len(ks) != len(vs):
+                    raise _bad("dict")
+                items = [(self.decode(k, d), self.decode(x, d)) for k, x in zip(ks, vs)]
+                return dict(items) if t == "dict" else collections.OrderedDict(items)
+            if t in ("list", "tuple"):
+                if not isinstance(v, list):
+                    raise _bad(t)
+                items = [self.decode(x, d) for x in v]
+                return items if t == "list" else tuple(items)
+            if t == "size":
+                return torch.Size(_ints(v, "size"))
+            if t == "dtype":
+                if v not in DTYPES:
+                    raise _bad(f"dtype {v!r}")
+                return DTYPES[v]
+            if t == "device":
+                return torch.device(v)
+            if t in ("bytes", "bytearray"):
+                b = base64.b64decode(v, validate=True)
+                return b if t == "bytes" else bytearray(b)
+            if t == "ndarray":
+                dt = np.dtype(n.get("dtype"))
+                if dt.kind not in NP_KINDS + "?" or dt.hasobject or dt.fields is not None:
+                    raise _bad("ndarray dtype")
+                shape = _ints(n.get("shape"), "shape")
+                st = self.storage_fn(n)
+                if math.prod(shape) * dt.itemsize != st.numel():
+                    raise _bad("ndarray size")
+                return st.numpy().view(dt).reshape(shape)
+            if t == "npscalar":
+                dt = np.dtype(n.get("dtype"))
+                if dt.kind not in NP_KINDS + "?" or dt.hasobject:
+                    raise _bad("numpy scalar dtype")
+                raw = bytes.fromhex(v)
+                if len(raw) != dt.itemsize:
+                    raise _bad("numpy scalar size")
+                return np.frombuffer(raw, dtype=dt)[0]
+            if t == "pickle":
+                if not self.allow_pickle:
+                    raise PickleNotAllowedError(
+                        "the checkpoint holds pickled objects; load with allow_pickle=True only if "
+                        "you trust its source")
+                return pickle.loads(base64.b64decode(v, validate=True))
+        except (CorruptFileError, PickleNotAllowedError):
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError, RuntimeError, struct.error,
+                OverflowError, IndexError) as e:
+            raise _bad(f"{t} node: {e}") from None
+        raise _bad(f"unknown node type {t!r}")
+
+
+def tensor_paths(n: Any, prefix: str = "", out: dict[str, Any] | None = None, depth: int = 0) -> dict[str, Any]:
+    """Flattened dotted key -> tensor/ndarray node, for the lazy reader."""
+    out = {} if out is None else out
+    if depth > MAX_DEPTH or not isinstance(n, dict):
+        return out
+    t = n.get("t")
+    if t in ("tensor", "ndarray"):
+        out.setdefault(prefix, n)
+    elif t in ("dict", "odict") and isinstance(n.get("k"), list) and isinstance(n.get("v"), list):
+        for k, v in zip(n["k"], n["v"]):
+            ks = k if isinstance(k, str) else (k.get("v") if isinstance(k, dict) else str(k))
+            tensor_paths(v, f"{prefix}.{ks}" if prefix else str(ks), out, depth + 1)
+    elif t in ("list", "tuple") and isinstance(n.get("v"), list):
+        for i, v in enumerate(n["v"]):
+            tensor_paths(v, f"{prefix}.{i}" if prefix else str(i), out, depth + 1)
+    return out
