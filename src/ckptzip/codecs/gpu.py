@@ -1,8 +1,207 @@
-"""nvCOMP (GPU) implementations — filled in by the GPU engine."""
+"""nvCOMP (GPU) implementations, through ``nvidia.nvcomp`` (``pip install 'ckptzip[cu13]'``).
+
+nvCOMP is imported lazily and every call is guarded: chunk sizes are checked against each
+algorithm's limit before a call, outputs are always preallocated by us (batched RAW calls without
+preallocated outputs crashed nvCOMP 6.0), misaligned chunks are staged through aligned buffers,
+and any nvCOMP error becomes :class:`~ckptzip.CodecError`. Standard bitstreams (zstd frames, raw
+deflate) share their wire id with the CPU implementations, so either side reads what the other
+wrote. GPU-only bitstreams (ANS, Bitcomp, Cascaded, GDeflate, LZ4, Snappy) raise
+:class:`~ckptzip.GPURequiredError` on a machine without a GPU.
+"""
 from __future__ import annotations
 
-from ..errors import GPURequiredError
+import functools
+import threading
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import CodecError, GPURequiredError, UnknownCodecError
+from .base import Codec, register
+
+_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=1)
+def _nvcomp():
+    try:
+        from nvidia import nvcomp  # noqa: PLC0415
+    except Exception as e:  # ImportError, or a broken install
+        return e
+    return nvcomp
+
+
+def gpu_status() -> str | None:
+    """None if GPU codecs are usable here, else a sentence saying why not."""
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible to torch"
+    nv = _nvcomp()
+    if isinstance(nv, Exception):
+        return f"nvidia-nvcomp is not installed ({nv}); pip install 'ckptzip[cu13]'"
+    try:
+        _make_codec("LZ4", torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream, ())
+    except Exception as e:  # e.g. "CUDA driver version is insufficient"
+        return f"nvCOMP cannot start: {e}"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_status() -> str | None:
+    return gpu_status()
+
+
+def gpu_available() -> bool:
+    return _cached_status() is None
 
 
 def require_gpu(wire_id: str) -> None:
-    raise GPURequiredError(f"codec {wire_id!r} needs a CUDA GPU with nvCOMP")
+    why = _cached_status()
+    if why is not None:
+        raise GPURequiredError(
+            f"codec {wire_id!r} needs a CUDA GPU with nvCOMP, and here {why}. On a GPU machine, "
+            f"`ckptzip convert IN OUT --codec zstd` writes a copy any CPU can read")
+
+
+@functools.lru_cache(maxsize=64)
+def _make_codec(algorithm: str, device: int, stream: int, opts: tuple):
+    nv = _nvcomp()
+    return nv.Codec(algorithm=algorithm, device_id=device, cuda_stream=stream,
+                    bitstream_kind=nv.BitstreamKind.RAW, **dict(opts))
+
+
+def _ceil(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+class NvcompCodec(Codec):
+    """Batched RAW nvCOMP codec; subclasses name the algorithm and its wire options."""
+
+    device: ClassVar[str] = "cuda"
+    algorithm: ClassVar[str]
+    max_chunk: ClassVar[int] = 16 * 1024 * 1024
+
+    def _opts(self) -> tuple:
+        return tuple(sorted(self.config.items()))
+
+    def _nv(self, dev: torch.device):
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        with torch.cuda.device(idx):
+            stream = torch.cuda.current_stream().cuda_stream
+        try:
+            with _LOCK:
+                return _make_codec(self.algorithm, idx, stream, self._opts())
+        except Exception as e:
+            raise CodecError(f"nvCOMP {self.algorithm} with {dict(self._opts())}: {e}") from None
+
+    @functools.cached_property
+    def _align(self) -> int:
+        return 16
+
+    def _max_out(self, nv, codec, n: int) -> int:
+        probe = torch.empty(n, dtype=torch.uint8, device="cuda")
+        return int(codec.get_max_comp_buffer_size(nv.as_array(probe)))
+
+    def _aligned(self, src: torch.Tensor, offsets, sizes):
+        """(buffer, offsets) with every chunk start aligned; copies only if needed."""
+        a = self._align
+        if all(o % a == 0 for o in offsets) and src.data_ptr() % a == 0:
+            return src, list(offsets)
+        new, pos = [], 0
+        for n in sizes:
+            new.append(pos)
+            pos += _ceil(n, a)
+        buf = torch.empty(max(pos, 1), dtype=torch.uint8, device=src.device)
+        for o, n, p in zip(offsets, sizes, new):
+            buf[p:p + n].copy_(src[o:o + n])
+        return buf, new
+
+    def _check_sizes(self, sizes) -> None:
+        for n in sizes:
+            if not 1 <= n <= self.max_chunk:
+                raise CodecError(f"nvCOMP {self.algorithm}: chunk of {n} bytes outside [1, {self.max_chunk}]")
+        dt = self.config.get("data_type", "|u1")
+        w = int(dt[-1]) if dt[-1].isdigit() else 1
+        if any(n % w for n in sizes):
+            raise CodecError(f"nvCOMP {self.algorithm}: chunk sizes must be multiples of {w} for {dt}")
+
+    def encode(self, src, offsets, sizes):
+        if src.device.type != "cuda":
+            raise CodecError("GPU codec given a CPU tensor")
+        self._check_sizes(sizes)
+        nv = _nvcomp()
+        codec = self._nv(src.device)
+        if not sizes:
+            return torch.empty(0, dtype=torch.uint8, device=src.device), [], []
+        buf, offs = self._aligned(src, offsets, sizes)
+        cap = _ceil(self._max_out(nv, codec, max(sizes)), self._align)
+        out = torch.empty(cap * len(sizes), dtype=torch.uint8, device=src.device)
+        out_offs = [i * cap for i in range(len(sizes))]
+        try:
+            res = codec.encode(nv.as_arrays(buf, list(offs), list(sizes)),
+                               out=nv.as_arrays(out, out_offs, [cap] * len(sizes)))
+            got = [int(x) for x in res.buffer_sizes]
+        except Exception as e:
+            raise CodecError(f"nvCOMP {self.algorithm} encode failed: {e}") from None
+        if len(got) != len(sizes) or any(not 0 < g <= cap for g in got):
+            raise CodecError(f"nvCOMP {self.algorithm} encode returned impossible sizes")
+        return out, out_offs, got
+
+    def decode(self, src, src_offsets, src_sizes, dst, dst_offsets, dst_sizes):
+        if not src_sizes:
+            return
+        self._check_sizes(dst_sizes)
+        nv = _nvcomp()
+        codec = self._nv(dst.device)
+        if src.device != dst.device:
+            src = src.to(dst.device, non_blocking=True)
+        sbuf, soffs = self._aligned(src, src_offsets, src_sizes)
+        a = self._align
+        direct = all(o % a == 0 for o in dst_offsets) and dst.data_ptr() % a == 0
+        if direct:
+            dbuf, doffs = dst, list(dst_offsets)
+        else:
+            doffs, pos = [], 0
+            for n in dst_sizes:
+                doffs.append(pos)
+                pos += _ceil(n, a)
+            dbuf = torch.empty(pos, dtype=torch.uint8, device=dst.device)
+        try:
+            res = codec.decode(nv.as_arrays(sbuf, list(soffs), list(src_sizes)),
+                               out=nv.as_arrays(dbuf, doffs, list(dst_sizes)))
+            got = [int(x) for x in res.buffer_sizes]
+        except Exception as e:
+            raise CodecError(f"nvCOMP {self.algorithm} decode failed: {e}") from None
+        if got != [int(n) for n in dst_sizes]:
+            raise CodecError(f"nvCOMP {self.algorithm}: chunks decoded to other sizes than declared")
+        if not direct:
+            for o, n, p in zip(dst_offsets, dst_sizes, doffs):
+                dst[o:o + n].copy_(dbuf[p:p + n])
+
+
+def _gpu_codec(wire_id: str, algorithm: str, keys: tuple[str, ...] = (), validate=None):
+    def __init__(self, **config: Any) -> None:
+        Codec.__init__(self, **config)
+        if validate:
+            validate(config)
+
+    cls = type(f"{algorithm}GPU", (NvcompCodec,), {
+        "wire_id": wire_id, "algorithm": algorithm, "config_keys": keys, "__init__": __init__,
+        "__doc__": f"nvCOMP {algorithm} (RAW bitstream) on the GPU; wire id {wire_id!r}."})
+    return register(cls)
+
+
+def _dtypes(allowed):
+    def check(cfg):
+        if "data_type" in cfg and cfg["data_type"] not in allowed:
+            raise UnknownCodecError(f"data_type {cfg['data_type']!r} not in {allowed}")
+    return check
+
+
+ANSGPU = _gpu_codec("ans", "ANS", ("data_type",), _dtypes(("|u1", "<f2", "<f4", "|f1", "|i1")))
+ZstdGPU = _gpu_codec("zstd", "Zstd")
+DeflateGPU = _gpu_codec("deflate", "Deflate")
+GDeflateGPU = _gpu_codec("gdeflate", "GDeflate")
+LZ4GPU = _gpu_codec("lz4", "LZ4", ("data_type",))
+SnappyGPU = _gpu_codec("snappy", "Snappy")
+BitcompGPU = _gpu_codec("bitcomp", "Bitcomp", ("data_type", "algorithm_type"))
+CascadedGPU = _gpu_codec("cascaded", "Cascaded", ("data_type",))
