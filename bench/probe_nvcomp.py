@@ -44,7 +44,7 @@ state = checkpoint(model, opt)
 for name, ts in components(state).items():
     raw = cat(ts)
     w = 2 if "bf16" in name else 4
-    bp = BytePlane(w, raw.numel() // w)  # one block: planes over the whole component
+    bp = BytePlane(w, 1024); bp.block = raw.numel() // w  # one block: planes over the whole component
     planes = bp.encode(raw).view(w, -1)
     res = {"bytes": raw.numel(), "plane_entropy": [entropy(p) for p in planes]}
     res["bound"] = sum(res["plane_entropy"]) / (8 * w)

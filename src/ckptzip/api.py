@@ -10,8 +10,8 @@ import torch
 
 from . import __version__
 from .codecs.base import MAX_CHUNK, Codec, get_codec
-from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, Plan, decode_storage, encode_window,
-                     rows_array, storage_plan_from_manifest, windows, write_chunks)
+from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, Plan, decode_storage, encode_window, gpu_window,
+                     rows_array, storage_plan_from_manifest, windows, write_chunks, write_chunks_gpu)
 from .errors import CkptzipError, CorruptFileError, TensorNotFoundError, UnknownCodecError
 from .format import (FOOTER_SIZE, HEADER_SIZE, check_header, pack_footer, pack_header,
                      pack_manifest, parse_footer, parse_manifest)
@@ -22,35 +22,101 @@ from .tree import Decoder, Encoder, StorageRef, tensor_paths
 Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
 
 
-def _choose(ref: StorageRef, codec: str | dict, transform: str | None, chunk_size: int,
-            level: int | None, codecs: dict) -> Plan:
-    """The plan for one storage: codec='auto' picks byteplane+zstd for floats, zstd otherwise."""
-    if isinstance(codec, dict):
-        cfg = dict(codec)
-    else:
-        cfg = {"id": "zstd" if codec == "auto" else codec}
-    local = {"level": level} if (level is not None and cfg["id"] in ("zstd", "deflate")) else {}
-    key = (repr(sorted(cfg.items())), repr(local))
+#: GPU zstd compresses at about 5-8 GB/s; storage slower than this gets zstd (portable) on GPU
+GPU_ZSTD_GBPS = 6.0
+STANDARD = ("zstd", "deflate", "raw")
+
+
+def _encode_device(ref: StorageRef, device: str | None) -> str:
+    if device in ("cpu", "cuda"):
+        return device
+    from .codecs.gpu import gpu_available
+    return "cuda" if gpu_available() else "cpu"
+
+
+def _bp(ref: StorageRef, chunk_size: int) -> BytePlane | None:
+    if ref.float_width and ref.data.numel() % ref.float_width == 0:
+        return BytePlane(ref.float_width, max(1, min(chunk_size, MAX_CHUNK // ref.float_width)))
+    return None
+
+
+def _get(cfg: dict, dev: str, local: dict, codecs: dict) -> Codec:
+    key = (repr(sorted(cfg.items())), dev, repr(local))
     if key not in codecs:
-        codecs[key] = get_codec(cfg, "cpu", **local)
-    c = codecs[key]
-    tf = None
-    use_tf = transform == "byteplane" or (transform == "auto" and c.wire_id != "raw")
-    nbytes = ref.data.numel()
-    if use_tf and ref.float_width and nbytes % ref.float_width == 0:
-        tf = BytePlane(ref.float_width, max(1, min(chunk_size, MAX_CHUNK // ref.float_width)))
-    return Plan(tf, c, min(chunk_size, c.max_chunk))
+        codecs[key] = get_codec(cfg, dev, **local)
+    return codecs[key]
+
+
+def _choose(ref: StorageRef, codec: str | dict, transform: str | None, chunk_size: int,
+            level: int | None, codecs: dict, device: str | None = None, portable: bool = False,
+            storage_gbps: float | None = None) -> Plan:
+    """The plan for one storage.
+
+    ``codec="auto"``: on the CPU, byte planes + zstd for floats and zstd otherwise. On a GPU, zstd
+    (byte planes for floats) when ``portable`` or when the storage is slower than GPU zstd;
+    otherwise nvCOMP ANS, with the layout (byte planes + ``|u1`` symbols, or whole words as
+    ``<f2``/``<f4``) picked by compressing a sample both ways.
+    """
+    dev = _encode_device(ref, device)
+    cfg = dict(codec) if isinstance(codec, dict) else {"id": codec}
+    auto = cfg["id"] == "auto"
+    if portable and not auto and cfg["id"] not in STANDARD:
+        raise UnknownCodecError(f"codec {cfg['id']!r} is not portable; use zstd, deflate or raw")
+    slow_storage = storage_gbps is not None and storage_gbps < GPU_ZSTD_GBPS
+    if auto:
+        cfg = {"id": "ans" if dev == "cuda" and not portable and not slow_storage else "zstd"}
+    local = {"level": level} if (level is not None and cfg["id"] in ("zstd", "deflate") and dev == "cpu") else {}
+    c = _get(cfg, dev, local, codecs)
+    want_tf = transform == "byteplane" or (transform == "auto" and c.wire_id != "raw")
+    tf = _bp(ref, chunk_size) if want_tf else None
+    chunk = min(chunk_size, c.max_chunk)
+    if auto and cfg["id"] == "ans":
+        return _choose_ans(ref, tf, chunk, codecs, dev)
+    return Plan(tf, c, chunk)
+
+
+_ANS_WORD = {2: "<f2", 4: "<f4"}
+
+
+def _choose_ans(ref: StorageRef, tf: BytePlane | None, chunk: int, codecs: dict, dev: str) -> Plan:
+    """ANS layout by ratio on a sample: byte planes with byte symbols vs. whole 16/32-bit words."""
+    bp_plan = Plan(tf, _get({"id": "ans", "data_type": "|u1"}, dev, {}, codecs), chunk)
+    word = _ANS_WORD.get(ref.float_width)
+    if tf is None or word is None:
+        if ref.elem.startswith("float8"):
+            return Plan(None, _get({"id": "ans", "data_type": "|f1"}, dev, {}, codecs), chunk)
+        return bp_plan
+    word_plan = Plan(None, _get({"id": "ans", "data_type": word}, dev, {}, codecs), chunk)
+    n = ref.data.numel()
+    sample = min(n, tf.block * tf.width * 4)
+    if sample < (256 << 10):
+        return bp_plan
+    sizes = {}
+    for name, plan in (("planes", bp_plan), ("words", word_plan)):
+        tot = 0
+        for a, b, offs, szs in windows(sample, plan.transform, plan.chunk_size, sample):
+            _s, _c, _do, ds = encode_window(plan, ref.data[a:b], offs, szs)
+            tot += sum(min(x, y) for x, y in zip(ds, szs))
+        sizes[name] = tot
+    best = min(sizes, key=sizes.get)
+    plan = bp_plan if best == "planes" else word_plan
+    plan.choice = f"ans/{best}: sample {sizes['planes'] / sample:.3f} planes vs {sizes['words'] / sample:.3f} words"
+    return plan
 
 
 def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", transform: str | None = "auto",
          chunk_size: int = DEFAULT_CHUNK, level: int | None = None, metadata: Mapping[str, str] | None = None,
          allow_pickle: bool = False, fsync: bool = True, progress: Progress | None = None,
-         window: int = DEFAULT_WINDOW) -> dict[str, Any]:
+         device: str | None = None, portable: bool = False, storage_gbps: float | None = None,
+         window: int | None = None) -> dict[str, Any]:
     """Save ``obj`` (a state dict or any nesting of containers, tensors and plain values) to ``path``.
 
     ``codec``: ``"auto"``, a wire id (``"zstd"``, ``"raw"``, ``"deflate"``; GPU ids once available)
     or a wire config dict. ``transform``: ``"auto"`` (byte planes for floats), ``"byteplane"`` or
-    ``None``. The write is atomic. Returns a summary ``{"raw_bytes", "stored_bytes", "path"}``.
+    ``None``. ``device``: ``"cpu"``, ``"cuda"`` or None (the GPU when nvCOMP is usable).
+    ``portable=True`` keeps to codecs any CPU decodes. ``storage_gbps`` (the write bandwidth you
+    expect) steers ``auto`` on the GPU. The write is atomic. Returns a summary
+    ``{"raw_bytes", "stored_bytes", "path"}``.
     """
     if not isinstance(chunk_size, int) or not 64 <= chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk_size must be between 64 and {MAX_CHUNK} bytes")
@@ -62,7 +128,10 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
     enc = Encoder(allow_pickle=allow_pickle)
     root = enc.encode(obj)
     codecs: dict = {}
-    plans = [_choose(r, codec, transform, chunk_size, level, codecs) for r in enc.storages]
+    plans = [_choose(r, codec, transform, chunk_size, level, codecs, device, portable, storage_gbps)
+             for r in enc.storages]
+    if window is None:
+        window = gpu_window() if any(p.codec.device == "cuda" for p in plans) else DEFAULT_WINDOW
     total = sum(r.data.numel() for r in enc.storages)
     rows: list = []
     entries = []
@@ -74,7 +143,10 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
             nbytes = ref.data.numel()
             for a, b, offs, sizes in windows(nbytes, plan.transform, plan.chunk_size, window):
                 stream, comp, doffs, dsizes = encode_window(plan, ref.data[a:b], offs, sizes)
-                pos = write_chunks(f, pos, _host(stream), _host(comp), offs, sizes, doffs, dsizes, rows)
+                if comp.device.type == "cuda":
+                    pos = write_chunks_gpu(f, pos, stream, comp, offs, sizes, doffs, dsizes, rows)
+                else:
+                    pos = write_chunks(f, pos, _host(stream), _host(comp), offs, sizes, doffs, dsizes, rows)
                 if progress:
                     progress(b - a, total)
             entries.append({
@@ -82,6 +154,8 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
                 "transforms": [plan.transform.get_config()] if plan.transform else [],
                 "codec": plan.codec.get_config(), "rows": [first, len(rows) - first],
             })
+            if getattr(plan, "choice", None):
+                entries[-1]["choice"] = plan.choice
         doc = {"format": "ckz", "version": [1, 0], "created_by": f"ckptzip {__version__}",
                "meta": meta, "n_chunks": len(rows), "storages": entries, "root": root}
         manifest = pack_manifest(doc, rows_array(rows))

@@ -28,6 +28,34 @@ class Plan:
     transform: BytePlane | None
     codec: Codec
     chunk_size: int
+    choice: str | None = None
+
+
+def gpu_window(budget: int | None = None) -> int:
+    """Window bytes for GPU work: peak extra memory is about 4 windows (staged input, planes,
+    compressed output at nvCOMP's worst-case size), kept under ``budget`` (default: the smaller of
+    1 GiB and 10 % of free GPU memory)."""
+    if budget is None:
+        free, _total = torch.cuda.mem_get_info()
+        budget = min(1 << 30, free // 10)
+    return max(1 << 20, (budget // 4) >> 20 << 20)
+
+
+class PinnedPool:
+    """Reused page-locked host buffers (one per use), grown only when a larger one is needed."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, n: int) -> torch.Tensor:
+        b = self._bufs.get(name)
+        if b is None or b.numel() < n:
+            b = torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            self._bufs[name] = b
+        return b[:n]
+
+
+PINNED = PinnedPool()
 
 
 def windows(nbytes: int, tf: BytePlane | None, chunk: int, window: int
@@ -53,7 +81,12 @@ def encode_window(plan: Plan, src: torch.Tensor, offs: list[int], sizes: list[in
     all on the codec's device."""
     dev = plan.codec.device
     if src.device.type != dev:
-        src = src.to(dev)
+        if dev == "cuda":
+            staged = PINNED.get("stage", src.numel())
+            staged.copy_(src)
+            src = staged.to(dev, non_blocking=True)
+        else:
+            src = src.to(dev)
     stream = plan.transform.encode(src) if plan.transform else src
     dst, doffs, dsizes = plan.codec.encode(stream, offs, sizes)
     return stream, dst, doffs, dsizes
@@ -73,6 +106,28 @@ def write_chunks(f, pos: int, stream_h: np.ndarray, comp_h: np.ndarray, offs, si
         rows.append((pos, len(data), n, checksum(mv), flags))
         pos += len(data)
     return pos
+
+
+def write_chunks_gpu(f, pos: int, stream: torch.Tensor, comp: torch.Tensor, offs, sizes, doffs,
+                     dsizes, rows: list) -> int:
+    """GPU variant of :func:`write_chunks`: the chosen bytes of every chunk are copied once into a
+    pooled pinned buffer, in file order, then written."""
+    pick = [(comp, co, cn, 0) if cn < n else (stream, o, n, FLAG_STORED_RAW)
+            for o, n, co, cn in zip(offs, sizes, doffs, dsizes)]
+    total = sum(p[2] for p in pick)
+    host = PINNED.get("write", total)
+    p = 0
+    for t, o, n, _fl in pick:
+        host[p:p + n].copy_(t[o:o + n], non_blocking=True)
+        p += n
+    torch.cuda.current_stream(comp.device).synchronize()
+    h = host.numpy()
+    f.write(memoryview(h))
+    p = 0
+    for (_t, _o, n, fl), raw in zip(pick, sizes):
+        rows.append((pos + p, n, raw, checksum(memoryview(h[p:p + n])), fl))
+        p += n
+    return pos + total
 
 
 def rows_array(rows: list) -> np.ndarray:
@@ -119,10 +174,12 @@ def decode_storage(fd: int, rows: np.ndarray, nbytes: int, tf: BytePlane | None,
     return out
 
 
-def _read_stored(fd: int, batch: np.ndarray) -> tuple[torch.Tensor, list[int]]:
+def _read_stored(fd: int, batch: np.ndarray, pinned: bool = False) -> tuple[torch.Tensor, list[int]]:
     stored = batch["stored"].astype(np.int64)
     offs = np.concatenate([[0], np.cumsum(stored)[:-1]]).astype(np.int64)
-    buf = torch.empty(int(stored.sum()), dtype=torch.uint8)
+    if pinned:  # the previous batch's host-to-device copy must be done before the buffer is reused
+        torch.cuda.current_stream().synchronize()
+    buf = PINNED.get("read", int(stored.sum())) if pinned else torch.empty(int(stored.sum()), dtype=torch.uint8)
     b = buf.numpy()
     fo = batch["offset"].astype(np.int64)
     contiguous = len(batch) > 0 and bool(np.all(fo[1:] == fo[:-1] + stored[:-1]))
@@ -139,7 +196,7 @@ def _read_stored(fd: int, batch: np.ndarray) -> tuple[torch.Tensor, list[int]]:
 
 def _decode_batch(fd: int, batch: np.ndarray, tf: BytePlane | None, codec: Codec,
                   dst: torch.Tensor, work: str) -> None:
-    host, soffs = _read_stored(fd, batch)
+    host, soffs = _read_stored(fd, batch, pinned=work == "cuda")
     src = host.to(work, non_blocking=True) if work != "cpu" else host
     stream = dst if (tf is None and dst.device.type == work) else \
         torch.empty(dst.numel(), dtype=torch.uint8, device=work)

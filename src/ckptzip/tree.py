@@ -7,6 +7,7 @@ import collections
 import math
 import pickle
 import struct
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,10 +17,21 @@ import torch
 from .errors import CorruptFileError, PickleNotAllowedError, UnsupportedObjectError
 from .format import MAX_DEPTH
 
-_SKIP = {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
+def _usable(d: torch.dtype) -> bool:
+    """A dtype whose tensors can be created, copied and viewed as bytes (drops quantized, sub-byte
+    and bit-container dtypes, which have no storage semantics of their own)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = torch.zeros(2, dtype=d)
+        return t.clone().view(torch.uint8).numel() == 2 * d.itemsize
+    except Exception:
+        return False
+
+
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d for d in vars(torch).values()
-    if isinstance(d, torch.dtype) and str(d).removeprefix("torch.") not in _SKIP
+    if isinstance(d, torch.dtype) and _usable(d)
 }
 NP_KINDS = "biufc"
 

@@ -1,0 +1,86 @@
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from ckptzip import format as fmt
+
+
+def cuda_ok() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from ckptzip.codecs.gpu import gpu_available
+    return gpu_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with nvCOMP")
+    if not cuda_ok():
+        for it in items:
+            if "gpu" in it.keywords:
+                it.add_marker(skip)
+
+
+def same_bits(a, b) -> bool:
+    """Bit-exact tensor (or ndarray) comparison: NaN payloads and -0.0 count."""
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ac, bc = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    if ac.numel() == 0:
+        return True
+    return bytes(ac.view(-1).view(torch.uint8).numpy()) == bytes(bc.view(-1).view(torch.uint8).numpy()) \
+        if ac.dtype != torch.bool else torch.equal(ac, bc)
+
+
+def assert_same(a, b, path="root"):
+    assert type(a) is type(b) or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)), \
+        f"{path}: {type(a)} vs {type(b)}"
+    if isinstance(a, (torch.Tensor, np.ndarray)):
+        assert same_bits(a, b), path
+        if isinstance(a, torch.Tensor):
+            assert a.stride() == b.stride() or a.numel() <= 1, f"{path}: stride"
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float):
+        assert struct.pack("<d", a) == struct.pack("<d", b), path
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), path
+    else:
+        assert a == b, path
+
+
+def read_parts(path):
+    """(header+data bytes, manifest doc, rows) of a .ckz file."""
+    raw = open(path, "rb").read()
+    off, length, digest = fmt.parse_footer(raw[-fmt.FOOTER_SIZE:], len(raw))
+    man = fmt.parse_manifest(raw[off:off + length], digest, off)
+    return raw[:off], man.doc, man.rows.copy()
+
+
+def write_parts(path, data: bytes, doc, rows):
+    """Write a file with a valid manifest checksum and footer around a (possibly lying) manifest."""
+    manifest = fmt.pack_manifest(doc, rows)
+    with open(path, "wb") as f:
+        f.write(data + manifest + fmt.pack_footer(len(data), manifest))
+
+
+@pytest.fixture
+def small_state():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    opt = torch.optim.AdamW(m.parameters())
+    for _ in range(3):
+        opt.zero_grad()
+        m(torch.randn(4, 64)).sum().backward()
+        opt.step()
+    return {"model": m.state_dict(), "optimizer": opt.state_dict(), "step": 3}
