@@ -110,8 +110,9 @@ def parse_manifest(raw: bytes, digest: int, data_end: int) -> Manifest:
     if n:
         off = rows["offset"].astype(np.uint64)
         stored = rows["stored"].astype(np.uint64)
-        _need(bool(np.all(off >= HEADER_SIZE)) and bool(np.all(off + stored <= data_end)),
-              "chunk outside the data section")
+        # compare without overflow: offset first, then the room left after it
+        _need(bool(np.all(off >= HEADER_SIZE)) and bool(np.all(off <= data_end)), "chunk outside the data section")
+        _need(bool(np.all(stored <= np.uint64(data_end) - off)), "chunk outside the data section")
         _need(bool(np.all(rows["raw"] >= 1)) and bool(np.all(rows["raw"] <= MAX_CHUNK)), "chunk raw size")
         _need(bool(np.all(rows["stored"] >= 1)) and bool(np.all(rows["stored"] <= rows["raw"])),
               "chunk stored size")

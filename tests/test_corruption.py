@@ -1,0 +1,212 @@
+"""Corruption matrix: truncation at every structural boundary, bit flips everywhere, lying sizes
+and offsets, decompression bombs. Every case raises a named CkptzipError: never a crash, a hang,
+a silently wrong tensor or an oversized allocation."""
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+
+import ckptzip
+import ckptzip.cli
+from ckptzip import format as fmt
+from conftest import read_parts, same_bits, write_parts
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory):
+    d = tmp_path_factory.mktemp("c")
+    p = d / "ok.ckz"
+    torch.manual_seed(0)
+    obj = {"w": torch.randn(3000), "i": torch.arange(500), "h": torch.randn(700).half(), "s": "text"}
+    ckptzip.save(obj, p, chunk_size=1024)
+    return p, obj
+
+
+def load_all(p):
+    return ckptzip.load(p)
+
+
+def expect(p, err=ckptzip.CorruptFileError):
+    with pytest.raises(err):
+        load_all(p)
+
+
+def boundaries(p):
+    data, doc, rows = read_parts(p)
+    size = os.path.getsize(p)
+    b = {0, 1, fmt.HEADER_SIZE - 1, fmt.HEADER_SIZE, len(data), len(data) + 4, size - fmt.FOOTER_SIZE,
+         size - fmt.FOOTER_SIZE + 8, size - 1}
+    for r in rows:
+        b.update({int(r["offset"]), int(r["offset"]) + int(r["stored"]) // 2})
+    return sorted(x for x in b if 0 <= x < size)
+
+
+def test_truncation_everywhere(sample, tmp_path):
+    p, _ = sample
+    raw = open(p, "rb").read()
+    for cut in boundaries(p):
+        q = tmp_path / f"t{cut}.ckz"
+        q.write_bytes(raw[:cut])
+        expect(q)  # TruncatedFileError or CorruptFileError (both CorruptFileError)
+
+
+def test_bit_flips_header_manifest_chunks_footer(sample, tmp_path):
+    p, obj = sample
+    raw = bytearray(open(p, "rb").read())
+    data, doc, rows = read_parts(p)
+    spots = list(range(0, fmt.HEADER_SIZE, 3))
+    spots += list(range(len(data), len(raw), max(1, (len(raw) - len(data)) // 40)))
+    spots += [int(r["offset"]) + int(r["stored"]) // 2 for r in rows]
+    for pos in spots:
+        for bit in (0, 7):
+            bad = bytearray(raw)
+            bad[pos] ^= 1 << bit
+            q = tmp_path / "f.ckz"
+            q.write_bytes(bytes(bad))
+            try:
+                back = load_all(q)
+            except ckptzip.CkptzipError:
+                continue
+            # a flip may only go unnoticed where it cannot change data (e.g. JSON padding)
+            for k in ("w", "i", "h"):
+                assert same_bits(back[k], obj[k]), f"silent corruption at byte {pos}"
+
+
+def test_chunk_checksum_error(sample, tmp_path):
+    p, _ = sample
+    raw = bytearray(open(p, "rb").read())
+    _, _, rows = read_parts(p)
+    raw[int(rows[0]["offset"])] ^= 0xFF
+    q = tmp_path / "c.ckz"
+    q.write_bytes(bytes(raw))
+    expect(q, ckptzip.ChecksumError)
+    assert ckptzip.cli.main(["verify", str(q), "-q"]) == 1
+
+
+def test_manifest_checksum_error(sample, tmp_path):
+    p, _ = sample
+    raw = bytearray(open(p, "rb").read())
+    data, _, _ = read_parts(p)
+    raw[len(data) + 10] ^= 1
+    q = tmp_path / "m.ckz"
+    q.write_bytes(bytes(raw))
+    expect(q, ckptzip.ChecksumError)
+
+
+LIES = {
+    "offset past data": lambda d, r: r.__setitem__("offset", r["offset"] + 10**6),
+    "offset overflow": lambda d, r: r.__setitem__("offset", np.uint64(2**64 - 5)),
+    "offset into header": lambda d, r: r.__setitem__("offset", 3),
+    "stored zero": lambda d, r: r.__setitem__("stored", 0),
+    "stored huge": lambda d, r: r.__setitem__("stored", 2**32 - 1),
+    "raw huge": lambda d, r: r.__setitem__("raw", 2**32 - 1),
+    "raw zero": lambda d, r: r.__setitem__("raw", 0),
+    "raw doubled": lambda d, r: r.__setitem__("raw", r["raw"] * 2),
+    "flags": lambda d, r: r.__setitem__("flags", 9),
+    "nbytes lies": lambda d, r: d["storages"][0].__setitem__("nbytes", 10**12),
+    "nbytes negative": lambda d, r: d["storages"][0].__setitem__("nbytes", -1),
+    "rows past table": lambda d, r: d["storages"][0].__setitem__("rows", [0, 10**9]),
+    "rows shared": lambda d, r: d["storages"][1].__setitem__("rows", d["storages"][0]["rows"]),
+    "n_chunks lies": lambda d, r: d.__setitem__("n_chunks", d["n_chunks"] + 1),
+    "shape lies": lambda d, r: d["root"]["v"][0].__setitem__("shape", [10**9]),
+    "shape negative": lambda d, r: d["root"]["v"][0].__setitem__("shape", [-3]),
+    "stride lies": lambda d, r: d["root"]["v"][0].__setitem__("stride", [10**6]),
+    "offset view lies": lambda d, r: d["root"]["v"][0].__setitem__("offset", 2**62),
+    "storage index": lambda d, r: d["root"]["v"][0].__setitem__("s", 99),
+    "unknown dtype": lambda d, r: d["root"]["v"][0].__setitem__("dtype", "float1024"),
+    "unknown node": lambda d, r: d["root"]["v"].__setitem__(0, {"t": "bogus"}),
+    "bad int": lambda d, r: d["root"]["v"].__setitem__(0, {"t": "int", "v": "12x"}),
+    "bad float": lambda d, r: d["root"]["v"].__setitem__(0, {"t": "float", "v": "zz"}),
+    "dict mismatch": lambda d, r: d["root"]["k"].append("extra"),
+    "no root": lambda d, r: d.pop("root"),
+    "byteplane width": lambda d, r: d["storages"][0]["transforms"][0].__setitem__("width", 3),
+    "byteplane block": lambda d, r: d["storages"][0]["transforms"][0].__setitem__("block", 2**40),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LIES))
+def test_lying_manifest(sample, tmp_path, name):
+    p, _ = sample
+    data, doc, rows = read_parts(p)
+    LIES[name](doc, rows[:1] if name not in ("raw doubled",) else rows)
+    if name in ("offset past data", "offset overflow", "offset into header", "stored zero",
+                "stored huge", "raw huge", "raw zero", "flags"):
+        LIES[name](doc, rows[0:1])
+    q = tmp_path / "lie.ckz"
+    write_parts(q, data, doc, rows)
+    with pytest.raises((ckptzip.CorruptFileError, ckptzip.UnknownCodecError)):
+        load_all(q)
+
+
+def test_deep_nesting_manifest(sample, tmp_path):
+    p, _ = sample
+    data, doc, rows = read_parts(p)
+    manifest = b'{"format":"ckz","version":[1,0],"n_chunks":0,"storages":[],"root":' + b"[" * 100000 + b"]" * 100000 + b"}"
+    body = struct.pack("<I", len(manifest)) + manifest
+    body += b" " * ((-len(body)) % 8)
+    q = tmp_path / "deep.ckz"
+    q.write_bytes(data + body + fmt.pack_footer(len(data), body))
+    expect(q)
+
+
+def test_footer_lies(sample, tmp_path):
+    p, _ = sample
+    raw = open(p, "rb").read()
+    size = len(raw)
+    for off, length in [(0, 10), (size, 10), (16, 2**40), (2**63, 8), (16, size)]:
+        q = tmp_path / "foot.ckz"
+        q.write_bytes(raw[:-fmt.FOOTER_SIZE] + struct.pack("<QQQ8s", off, length, 0, fmt.FOOTER_MAGIC))
+        expect(q)
+
+
+def test_decompression_bomb(tmp_path):
+    """A chunk whose zstd frame expands far beyond its declared raw size is refused without
+    allocating the expansion."""
+    p = tmp_path / "b.ckz"
+    ckptzip.save({"x": torch.randint(0, 255, (65536,), dtype=torch.uint8)}, p, codec="zstd", transform=None)
+    data, doc, rows = read_parts(p)
+    bomb = zstandard.ZstdCompressor(level=19, write_content_size=False).compress(b"\0" * (64 << 20))
+    assert len(bomb) < 65536
+    off = int(rows[0]["offset"])
+    data = data[:off] + bomb
+    rows[0]["stored"] = len(bomb)
+    rows[0]["xxh3"] = fmt.checksum(bomb)
+    rows[0]["flags"] = 0
+    q = tmp_path / "bomb.ckz"
+    write_parts(q, data, doc, rows)
+    with pytest.raises(ckptzip.CodecError):
+        load_all(q)
+    # same with the content size declared in the frame
+    bomb2 = zstandard.ZstdCompressor(level=19).compress(b"\0" * (64 << 20))
+    data = data[:off] + bomb2
+    rows[0]["stored"] = len(bomb2)
+    rows[0]["xxh3"] = fmt.checksum(bomb2)
+    write_parts(q, data, doc, rows)
+    with pytest.raises(ckptzip.CodecError):
+        load_all(q)
+
+
+def test_garbage_stream_with_valid_checksum(tmp_path):
+    p = tmp_path / "g.ckz"
+    ckptzip.save({"x": torch.randn(1000)}, p, codec="zstd", transform=None)
+    data, doc, rows = read_parts(p)
+    off, n = int(rows[0]["offset"]), int(rows[0]["stored"])
+    junk = bytes((i * 37) & 0xFF for i in range(n))
+    data = data[:off] + junk + data[off + n:]
+    rows[0]["xxh3"] = fmt.checksum(junk)
+    rows[0]["flags"] = 0
+    write_parts(p, data, doc, rows)
+    with pytest.raises(ckptzip.CodecError):
+        load_all(p)
+
+
+def test_not_a_ckz(tmp_path):
+    q = tmp_path / "x.ckz"
+    q.write_bytes(b"PK\x03\x04" + b"\0" * 100)
+    expect(q)
+    q.write_bytes(b"")
+    expect(q, ckptzip.TruncatedFileError)
