@@ -1,0 +1,179 @@
+"""One test per named error, atomic writes (exception and kill -9 mid-save), and the CLI."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import ckptzip
+import ckptzip.cli
+from ckptzip import format as fmt
+from ckptzip.codecs import get_codec
+from conftest import read_parts, same_bits, write_parts
+
+
+def test_error_hierarchy():
+    for e in (ckptzip.CorruptFileError, ckptzip.TruncatedFileError, ckptzip.ChecksumError,
+              ckptzip.UnsupportedVersionError, ckptzip.UnknownCodecError, ckptzip.CodecError,
+              ckptzip.GPURequiredError, ckptzip.PickleNotAllowedError, ckptzip.UnsupportedObjectError,
+              ckptzip.TensorNotFoundError):
+        assert issubclass(e, ckptzip.CkptzipError)
+    assert issubclass(ckptzip.TruncatedFileError, ckptzip.CorruptFileError)
+    assert issubclass(ckptzip.ChecksumError, ckptzip.CorruptFileError)
+
+
+@pytest.fixture
+def ok(tmp_path):
+    p = tmp_path / "ok.ckz"
+    ckptzip.save({"w": torch.randn(100), "i": torch.arange(10)}, p)
+    return p
+
+
+def test_unsupported_version(ok, tmp_path):
+    raw = bytearray(ok.read_bytes())
+    raw[8:10] = (2).to_bytes(2, "little")
+    q = tmp_path / "v.ckz"
+    q.write_bytes(bytes(raw))
+    with pytest.raises(ckptzip.UnsupportedVersionError):
+        ckptzip.load(q)
+    data, doc, rows = read_parts(ok)
+    doc["version"] = [9, 0]
+    write_parts(q, data, doc, rows)
+    with pytest.raises(ckptzip.UnsupportedVersionError):
+        ckptzip.load(q)
+
+
+def test_unknown_codec_and_reserved_transform(ok, tmp_path):
+    data, doc, rows = read_parts(ok)
+    doc["storages"][1]["codec"] = {"id": "brotli9"}
+    q = tmp_path / "u.ckz"
+    write_parts(q, data, doc, rows)
+    with pytest.raises(ckptzip.UnknownCodecError):
+        ckptzip.load(q)
+    data, doc, rows = read_parts(ok)
+    doc["storages"][0]["transforms"] = [{"id": "delta", "ref": {"base": "prev.ckz", "storage": 0}}]
+    write_parts(q, data, doc, rows)
+    with pytest.raises(ckptzip.UnknownCodecError, match="reserved"):
+        ckptzip.load(q)
+    with pytest.raises(ckptzip.UnknownCodecError):
+        ckptzip.save({"a": torch.ones(2)}, tmp_path / "x.ckz", codec="nope")
+
+
+def test_gpu_required_without_gpu(ok, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    data, doc, rows = read_parts(ok)
+    doc["storages"][0]["codec"] = {"id": "ans", "data_type": "|u1"}
+    q = tmp_path / "g.ckz"
+    write_parts(q, data, doc, rows)
+    with pytest.raises(ckptzip.GPURequiredError, match="ckptzip convert"):
+        ckptzip.load(q)
+    with pytest.raises(ckptzip.GPURequiredError):
+        ckptzip.save({"a": torch.ones(2)}, tmp_path / "x.ckz", codec="ans")
+    assert not (tmp_path / "x.ckz").exists()
+    with pytest.raises(ckptzip.GPURequiredError):
+        get_codec("bitcomp")
+
+
+def test_codec_error_and_checksum_error(ok, tmp_path):
+    raw = bytearray(ok.read_bytes())
+    _, _, rows = read_parts(ok)
+    raw[int(rows[0]["offset"]) + 1] ^= 4
+    q = tmp_path / "c.ckz"
+    q.write_bytes(bytes(raw))
+    with pytest.raises(ckptzip.ChecksumError):
+        ckptzip.load(q)
+
+
+def test_exception_mid_save_keeps_old_file(tmp_path, monkeypatch):
+    p = tmp_path / "a.ckz"
+    ckptzip.save({"v": torch.ones(10)}, p)
+    old = p.read_bytes()
+
+    class Boom(Exception):
+        pass
+
+    def bad(*a, **k):
+        raise Boom()
+    import ckptzip.api as api
+    monkeypatch.setattr(api, "write_chunks", bad)
+    with pytest.raises(Boom):
+        ckptzip.save({"v": torch.zeros(10)}, p)
+    assert p.read_bytes() == old
+    assert [f.name for f in tmp_path.iterdir()] == ["a.ckz"]  # temp file removed
+
+
+KILLER = r"""
+import sys, torch, ckptzip
+p = sys.argv[1]
+x = torch.randn(8_000_000)
+print("ready", flush=True)
+i = 0
+while True:
+    ckptzip.save({"x": x, "i": i}, p)
+    i += 1
+"""
+
+
+def test_kill_9_mid_save(tmp_path):
+    p = tmp_path / "k.ckz"
+    ckptzip.save({"x": torch.ones(3), "i": -1}, p)
+    proc = subprocess.Popen([sys.executable, "-c", KILLER, str(p)], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"ready"
+    time.sleep(1.5)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    back = ckptzip.load(p)  # the old file or a complete new one, never a torn one
+    assert back["i"] == -1 or back["x"].numel() == 8_000_000
+    with ckptzip.open(p) as r:
+        r.verify()
+
+
+def test_cli_roundtrip(tmp_path, small_state, capsys):
+    pt, ckz, back = tmp_path / "s.pt", tmp_path / "s.ckz", tmp_path / "b.pt"
+    torch.save(small_state, pt)
+    assert ckptzip.cli.main(["compress", str(pt), str(ckz), "-q"]) == 0
+    assert ckptzip.cli.main(["verify", str(ckz), "-q"]) == 0
+    assert ckptzip.cli.main(["decompress", str(ckz), str(back), "-q"]) == 0
+    b = torch.load(back, weights_only=True)
+    for k, v in small_state["model"].items():
+        assert same_bits(b["model"][k], v)
+
+
+def test_cli_info_json(tmp_path, small_state, capsys):
+    ckz = tmp_path / "s.ckz"
+    ckptzip.save(small_state, ckz)
+    capsys.readouterr()
+    assert ckptzip.cli.main(["info", str(ckz), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    keys = {t["key"] for t in info["tensors"]}
+    assert "model.0.weight" in keys and info["file_bytes"] == os.path.getsize(ckz)
+    assert all(t["codec"] for t in info["tensors"])
+
+
+def test_cli_cost_reproduces_blog(capsys):
+    assert ckptzip.cli.main(["cost", "--json", "--ratio", "1.0"]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out[out.index('{"ratio"'):])
+    assert 2100 < data["before"]["idle_gpu_usd"] < 2300
+
+
+def test_cli_errors_exit_2(tmp_path):
+    q = tmp_path / "bad.ckz"
+    q.write_bytes(b"nope")
+    assert ckptzip.cli.main(["info", str(q)]) == 2
+
+
+def test_cli_installed_entry_point(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "ckptzip.cli", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and "ckptzip" in r.stdout
+
+
+def test_demo_runs(tmp_path):
+    from ckptzip.demo import run_demo
+    res = run_demo(seconds=1.0, device="cpu", out_dir=str(tmp_path))
+    assert res["ckptzip"]["bytes"] < res["torch.save"]["bytes"]
