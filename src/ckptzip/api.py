@@ -27,11 +27,17 @@ GPU_ZSTD_GBPS = 6.0
 STANDARD = ("zstd", "deflate", "raw")
 
 
+def _gpu_ok() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from .codecs.gpu import gpu_available
+    return gpu_available()
+
+
 def _encode_device(ref: StorageRef, device: str | None) -> str:
     if device in ("cpu", "cuda"):
         return device
-    from .codecs.gpu import gpu_available
-    return "cuda" if gpu_available() else "cpu"
+    return "cuda" if _gpu_ok() else "cpu"
 
 
 def _bp(ref: StorageRef, chunk_size: int) -> BytePlane | None:
@@ -189,8 +195,9 @@ class CheckpointReader:
     """
 
     def __init__(self, path: str | os.PathLike, *, map_location: Any = None, allow_pickle: bool = False,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, decode_device: str | None = None) -> None:
         self.path = os.fspath(path)
+        self.decode_device = decode_device  # "cpu"/"cuda" forces where chunks are decoded
         self.map_location = map_location
         self.allow_pickle = allow_pickle
         self.progress = progress
@@ -257,13 +264,8 @@ class CheckpointReader:
             s = self.storages[i]
             dev = _resolve_device(s.get("device", "cpu") if node.get("t") == "tensor" else "cpu",
                                   self.map_location if node.get("t") == "tensor" else "cpu")
-            work = "cuda" if dev.type == "cuda" else "cpu"
-            try:
-                tf, codec = storage_plan_from_manifest(s, work)
-            except CkptzipError:
-                if work == "cpu":
-                    raise
-                tf, codec = storage_plan_from_manifest(s, "cpu")
+            work = self.decode_device or ("cuda" if dev.type == "cuda" or _gpu_ok() else "cpu")
+            tf, codec = storage_plan_from_manifest(s, work)
             first, count = s["rows"]
             total = self._total_bytes()
             prog = (lambda n: self.progress(n, total)) if self.progress else None
@@ -317,10 +319,10 @@ def open(path: str | os.PathLike, **kwargs: Any) -> CheckpointReader:  # noqa: A
 
 
 def load(path: str | os.PathLike, *, map_location: Any = None, allow_pickle: bool = False,
-         progress: Progress | None = None) -> Any:
+         progress: Progress | None = None, decode_device: str | None = None) -> Any:
     """Load what :func:`save` wrote. Tensors come back bit-exact, on their saved device unless
     ``map_location`` (``"cpu"``, ``"cuda"``, a ``torch.device``, a dict or a callable) says
     otherwise. Pickled objects load only with ``allow_pickle=True``."""
     with CheckpointReader(path, map_location=map_location, allow_pickle=allow_pickle,
-                          progress=progress) as r:
+                          progress=progress, decode_device=decode_device) as r:
         return r.load()

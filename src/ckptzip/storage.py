@@ -31,7 +31,10 @@ def atomic_write(path: str | os.PathLike, fsync: bool = True) -> Iterator[Binary
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.fchmod(fd, 0o666 & ~umask)  # the permissions a plain open() would give
         with os.fdopen(fd, "wb", buffering=0) as f:
             yield f
             if fsync:

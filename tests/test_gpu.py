@@ -1,0 +1,113 @@
+"""GPU tests (marked ``gpu``; skipped without a CUDA GPU and nvCOMP)."""
+import os
+
+import pytest
+import torch
+
+import ckptzip
+from ckptzip.codecs import registered
+from conftest import assert_same, same_bits
+
+pytestmark = pytest.mark.gpu
+GPU_CODECS = [w for w, d in registered().items() if "cuda" in d]
+
+
+def state(device="cuda", n=1_500_000):
+    torch.manual_seed(0)
+    w = torch.randn(n, device=device) * 0.02
+    return {"w": w, "w_bf16": w.bfloat16(), "m": w * 1e-3, "v": (w * 1e-3) ** 2 + 1e-12,
+            "i": torch.arange(1000, device=device), "f8": w[:4096].to(torch.float8_e4m3fn),
+            "odd": torch.randn(1001, device=device).half()[1:], "empty": torch.empty(0, device=device),
+            "cpu": torch.randn(3000)}
+
+
+@pytest.mark.parametrize("codec", GPU_CODECS + ["auto"])
+def test_save_load_every_codec(tmp_path, codec):
+    s = state()
+    before = {k: v.clone() for k, v in s.items()}
+    p = tmp_path / f"{codec}.ckz"
+    kw = {"transform": None} if codec in ("bitcomp", "cascaded") else {}
+    ckptzip.save(s, p, codec=codec, device="cuda", **kw)
+    for k in s:
+        assert same_bits(s[k], before[k]), "caller's tensor modified"
+    back = ckptzip.load(p, map_location="cuda")
+    for k, v in s.items():
+        assert back[k].device.type == "cuda"
+        assert same_bits(back[k], v), k
+    back_cpu = ckptzip.load(p, map_location="cpu")
+    assert same_bits(back_cpu["w"], s["w"])
+
+
+@pytest.mark.parametrize("codec", ["zstd", "deflate"])
+def test_gpu_written_standard_file_decodes_on_cpu(tmp_path, codec):
+    s = state()
+    p = tmp_path / "p.ckz"
+    ckptzip.save(s, p, codec=codec, device="cuda")
+    back = ckptzip.load(p, map_location="cpu", decode_device="cpu")
+    for k, v in s.items():
+        assert same_bits(back[k], v), k
+    q = tmp_path / "q.ckz"
+    ckptzip.save(back, q, codec=codec, device="cpu")
+    back2 = ckptzip.load(q, map_location="cuda", decode_device="cuda")
+    assert same_bits(back2["w"], s["w"])
+
+
+def test_auto_records_choice_and_portable(tmp_path):
+    s = state()
+    p = tmp_path / "a.ckz"
+    ckptzip.save(s, p)
+    with ckptzip.open(p) as r:
+        ids = {st["codec"]["id"] for st in r.storages}
+        assert "ans" in ids
+        assert any("choice" in st for st in r.storages)
+    q = tmp_path / "port.ckz"
+    ckptzip.save(s, q, portable=True)
+    with ckptzip.open(q) as r:
+        assert {st["codec"]["id"] for st in r.storages} <= {"zstd", "raw"}
+    back = ckptzip.load(q, map_location="cpu", decode_device="cpu")
+    assert same_bits(back["v"], s["v"])
+
+
+def test_convert_gpu_only_to_zstd(tmp_path):
+    from ckptzip.cli import main
+    s = state()
+    p, q = tmp_path / "a.ckz", tmp_path / "z.ckz"
+    ckptzip.save(s, p, codec="ans")
+    assert main(["convert", str(p), str(q), "--codec", "zstd", "-q"]) == 0
+    back = ckptzip.load(q, map_location="cpu", decode_device="cpu")
+    assert same_bits(back["w"], s["w"].cpu())
+
+
+def test_peak_gpu_memory_bounded(tmp_path):
+    big = torch.randn(256 << 20)  # 1 GiB of fp32 on the host
+    p = tmp_path / "big.ckz"
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ckptzip.save({"x": big}, p, fsync=False)
+    peak_save = torch.cuda.max_memory_allocated() - base
+    torch.cuda.reset_peak_memory_stats()
+    back = ckptzip.load(p, map_location="cpu")
+    peak_load = torch.cuda.max_memory_allocated() - base
+    assert same_bits(back["x"], big)
+    budget = min(1 << 30, torch.cuda.mem_get_info()[0] // 10)
+    print(f"peak extra GPU memory: save {peak_save / 2**20:.0f} MiB, load {peak_load / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB")
+    assert peak_save <= budget and peak_load <= budget
+
+
+def test_bad_stream_is_an_exception_not_a_crash(tmp_path):
+    from conftest import read_parts, write_parts
+    from ckptzip import format as fmt
+    p = tmp_path / "a.ckz"
+    ckptzip.save({"w": torch.randn(300_000, device="cuda")}, p, codec="ans")
+    data, doc, rows = read_parts(p)
+    r = rows[0]
+    off, n = int(r["offset"]), int(r["stored"])
+    if r["flags"]:
+        pytest.skip("first chunk stored raw")
+    junk = bytes((i * 131 + 7) & 0xFF for i in range(n))
+    data = data[:off] + junk + data[off + n:]
+    rows[0]["xxh3"] = fmt.checksum(junk)
+    write_parts(p, data, doc, rows)
+    with pytest.raises(ckptzip.CkptzipError):
+        ckptzip.load(p, map_location="cuda")
