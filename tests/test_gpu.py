@@ -111,3 +111,19 @@ def test_bad_stream_is_an_exception_not_a_crash(tmp_path):
     write_parts(p, data, doc, rows)
     with pytest.raises(ckptzip.CkptzipError):
         ckptzip.load(p, map_location="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("n,block", [(0, 8), (1, 8), (1000, 64), (100_003, 4096), (3 << 20, 1 << 20)])
+def test_triton_byteplane_matches_torch(dtype, n, block):
+    from ckptzip import transforms
+    if transforms._triton() is None:
+        pytest.skip("no Triton")
+    x = torch.randn(n, device="cuda").to(dtype).view(torch.uint8)
+    bp = transforms.BytePlane(dtype.itemsize, block)
+    gpu = bp.encode(x)
+    cpu = bp.encode(x.cpu())
+    assert torch.equal(gpu.cpu(), cpu)
+    out = torch.empty_like(x)
+    bp.decode(gpu, out)
+    assert torch.equal(out, x)

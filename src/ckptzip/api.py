@@ -78,35 +78,57 @@ def _choose(ref: StorageRef, codec: str | dict, transform: str | None, chunk_siz
     chunk = min(chunk_size, c.max_chunk)
     if auto and cfg["id"] == "ans":
         return _choose_ans(ref, tf, chunk, codecs, dev)
-    return Plan(tf, c, chunk)
+    plan = Plan(tf, c, chunk)
+    if tf is not None:
+        _probe_planes(ref, plan)
+    return plan
 
 
 _ANS_WORD = {2: "<f2", 4: "<f4"}
+#: a byte plane whose sample shrinks by less than this is stored raw without calling the codec
+RAW_PLANE_RATIO = 0.985
+
+
+def _probe_planes(ref: StorageRef, plan: Plan) -> int | None:
+    """Compress a sample (the first blocks) and mark the planes that do not shrink as raw.
+    Returns the sample's stored bytes (None when the storage is too small to sample)."""
+    tf = plan.transform
+    sample = min(ref.data.numel(), tf.block * tf.width * 2)
+    if sample < (256 << 10):
+        return None
+    stored = [0] * tf.width
+    raw = [0] * tf.width
+    for a, b, offs, szs, planes in windows(sample, tf, plan.chunk_size, sample):
+        _s, _c, _do, ds = encode_window(plan, ref.data[a:b], offs, szs, planes)
+        for p, x, y in zip(planes, ds, szs):
+            stored[p] += min(x, y)
+            raw[p] += y
+    plan.raw_planes = frozenset(p for p in range(tf.width) if stored[p] > RAW_PLANE_RATIO * raw[p])
+    return sum(stored)
 
 
 def _choose_ans(ref: StorageRef, tf: BytePlane | None, chunk: int, codecs: dict, dev: str) -> Plan:
-    """ANS layout by ratio on a sample: byte planes with byte symbols vs. whole 16/32-bit words."""
+    """ANS layout by ratio on a sample: byte planes with byte symbols (incompressible planes
+    stored raw) vs. whole 16/32-bit words."""
     bp_plan = Plan(tf, _get({"id": "ans", "data_type": "|u1"}, dev, {}, codecs), chunk)
     word = _ANS_WORD.get(ref.float_width)
     if tf is None or word is None:
         if ref.elem.startswith("float8"):
             return Plan(None, _get({"id": "ans", "data_type": "|f1"}, dev, {}, codecs), chunk)
         return bp_plan
-    word_plan = Plan(None, _get({"id": "ans", "data_type": word}, dev, {}, codecs), chunk)
-    n = ref.data.numel()
-    sample = min(n, tf.block * tf.width * 4)
-    if sample < (256 << 10):
+    planes_bytes = _probe_planes(ref, bp_plan)
+    if planes_bytes is None:
         return bp_plan
-    sizes = {}
-    for name, plan in (("planes", bp_plan), ("words", word_plan)):
-        tot = 0
-        for a, b, offs, szs in windows(sample, plan.transform, plan.chunk_size, sample):
-            _s, _c, _do, ds = encode_window(plan, ref.data[a:b], offs, szs)
-            tot += sum(min(x, y) for x, y in zip(ds, szs))
-        sizes[name] = tot
-    best = min(sizes, key=sizes.get)
+    word_plan = Plan(None, _get({"id": "ans", "data_type": word}, dev, {}, codecs), chunk)
+    sample = min(ref.data.numel(), tf.block * tf.width * 2)
+    words_bytes = 0
+    for a, b, offs, szs, planes in windows(sample, None, chunk, sample):
+        _s, _c, _do, ds = encode_window(word_plan, ref.data[a:b], offs, szs, planes)
+        words_bytes += sum(min(x, y) for x, y in zip(ds, szs))
+    best = "planes" if planes_bytes <= words_bytes else "words"
     plan = bp_plan if best == "planes" else word_plan
-    plan.choice = f"ans/{best}: sample {sizes['planes'] / sample:.3f} planes vs {sizes['words'] / sample:.3f} words"
+    plan.choice = (f"ans/{best}: sample {planes_bytes / sample:.3f} planes "
+                   f"(raw planes {sorted(bp_plan.raw_planes)}) vs {words_bytes / sample:.3f} words")
     return plan
 
 
@@ -147,8 +169,8 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
         for ref, plan in zip(enc.storages, plans):
             first = len(rows)
             nbytes = ref.data.numel()
-            for a, b, offs, sizes in windows(nbytes, plan.transform, plan.chunk_size, window):
-                stream, comp, doffs, dsizes = encode_window(plan, ref.data[a:b], offs, sizes)
+            for a, b, offs, sizes, planes in windows(nbytes, plan.transform, plan.chunk_size, window):
+                stream, comp, doffs, dsizes = encode_window(plan, ref.data[a:b], offs, sizes, planes)
                 if comp.device.type == "cuda":
                     pos = write_chunks_gpu(f, pos, stream, comp, offs, sizes, doffs, dsizes, rows)
                 else:

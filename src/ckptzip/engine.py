@@ -29,16 +29,17 @@ class Plan:
     codec: Codec
     chunk_size: int
     choice: str | None = None
+    raw_planes: frozenset = frozenset()
 
 
 def gpu_window(budget: int | None = None) -> int:
-    """Window bytes for GPU work: peak extra memory is about 4 windows (staged input, planes,
-    compressed output at nvCOMP's worst-case size), kept under ``budget`` (default: the smaller of
-    1 GiB and 10 % of free GPU memory)."""
+    """Window bytes for GPU work: peak extra memory is under 6 windows (staged input, planes,
+    compressed output at nvCOMP's worst-case size, transform temporaries), kept under ``budget``
+    (default: the smaller of 1 GiB and 10 % of free GPU memory)."""
     if budget is None:
         free, _total = torch.cuda.mem_get_info()
         budget = min(1 << 30, free // 10)
-    return max(1 << 20, (budget // 4) >> 20 << 20)
+    return max(1 << 20, (budget // 6) >> 20 << 20)
 
 
 class PinnedPool:
@@ -59,26 +60,29 @@ PINNED = PinnedPool()
 
 
 def windows(nbytes: int, tf: BytePlane | None, chunk: int, window: int
-            ) -> Iterator[tuple[int, int, list[int], list[int]]]:
-    """(start, end, chunk offsets, chunk sizes) per window; offsets are relative to the window's
-    transformed stream, which has the same length as the window."""
+            ) -> Iterator[tuple[int, int, list[int], list[int], list[int]]]:
+    """(start, end, chunk offsets, chunk sizes, chunk planes) per window; offsets are relative to
+    the window's transformed stream, which has the same length as the window; planes are the
+    byteplane index of each chunk (-1 without a transform)."""
     span = tf.block * tf.width if tf else chunk
     step = max(span, window // span * span)
     for a in range(0, nbytes, step):
         b = min(nbytes, a + step)
         segs = tf.segments(b - a) if tf else [(0, b - a)]
-        offs, sizes = [], []
-        for o, n in segs:
+        offs, sizes, planes = [], [], []
+        for k, (o, n) in enumerate(segs):
             for c in range(0, n, chunk):
                 offs.append(o + c)
                 sizes.append(min(chunk, n - c))
-        yield a, b, offs, sizes
+                planes.append(k % tf.width if tf else -1)
+        yield a, b, offs, sizes, planes
 
 
-def encode_window(plan: Plan, src: torch.Tensor, offs: list[int], sizes: list[int]
+def encode_window(plan: Plan, src: torch.Tensor, offs: list[int], sizes: list[int], planes: list[int]
                   ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
     """Transform and compress one window. Returns (stream, compressed, comp offsets, comp sizes),
-    all on the codec's device."""
+    all on the codec's device. Chunks of planes in ``plan.raw_planes`` skip the codec (their
+    comp size is reported as their raw size, so the writer stores them raw)."""
     dev = plan.codec.device
     if src.device.type != dev:
         if dev == "cuda":
@@ -88,7 +92,13 @@ def encode_window(plan: Plan, src: torch.Tensor, offs: list[int], sizes: list[in
         else:
             src = src.to(dev)
     stream = plan.transform.encode(src) if plan.transform else src
-    dst, doffs, dsizes = plan.codec.encode(stream, offs, sizes)
+    sel = [k for k, p in enumerate(planes) if p not in plan.raw_planes]
+    doffs, dsizes = [0] * len(sizes), list(sizes)
+    if not sel:
+        return stream, stream[:0], doffs, dsizes
+    dst, do, ds = plan.codec.encode(stream, [offs[k] for k in sel], [sizes[k] for k in sel])
+    for i, k in enumerate(sel):
+        doffs[k], dsizes[k] = do[i], ds[i]
     return stream, dst, doffs, dsizes
 
 
@@ -198,15 +208,20 @@ def _decode_batch(fd: int, batch: np.ndarray, tf: BytePlane | None, codec: Codec
                   dst: torch.Tensor, work: str) -> None:
     host, soffs = _read_stored(fd, batch, pinned=work == "cuda")
     src = host.to(work, non_blocking=True) if work != "cpu" else host
+    decode_chunks(src, soffs, batch["stored"].tolist(), batch["raw"].tolist(), batch["flags"].tolist(),
+                  tf, codec, dst, work)
+
+
+def decode_chunks(src: torch.Tensor, soffs: list[int], stored: list[int], raws: list[int],
+                  flags: list[int], tf: BytePlane | None, codec: Codec, dst: torch.Tensor,
+                  work: str) -> None:
+    """Decode verified stored chunks (``src`` on ``work``) into ``dst``: raw chunks are copied,
+    the others go to the codec in one batch, then the transform is undone."""
     stream = dst if (tf is None and dst.device.type == work) else \
         torch.empty(dst.numel(), dtype=torch.uint8, device=work)
-    raw = batch["raw"].astype(np.int64)
-    roffs = np.concatenate([[0], np.cumsum(raw)[:-1]]).astype(np.int64).tolist()
-    flags = batch["flags"]
-    stored = batch["stored"].tolist()
-    raws = raw.tolist()
-    ci = [k for k in range(len(batch)) if flags[k] != FLAG_STORED_RAW]
-    for k in range(len(batch)):
+    roffs = np.concatenate([[0], np.cumsum(raws)[:-1]]).astype(np.int64).tolist() if raws else []
+    ci = [k for k in range(len(raws)) if flags[k] != FLAG_STORED_RAW]
+    for k in range(len(raws)):
         if flags[k] == FLAG_STORED_RAW:
             stream[roffs[k]:roffs[k] + raws[k]].copy_(src[soffs[k]:soffs[k] + stored[k]])
     if ci:

@@ -20,6 +20,24 @@ from .errors import UnknownCodecError
 
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
+
+def _triton():
+    """The Triton kernels, or None (no CUDA, no Triton, or CKPTZIP_NO_TRITON=1)."""
+    global _TRITON
+    if _TRITON is False:
+        try:
+            import os
+            if os.environ.get("CKPTZIP_NO_TRITON") == "1":
+                raise ImportError
+            from . import _triton_bp
+            _TRITON = _triton_bp
+        except Exception:
+            _TRITON = None
+    return _TRITON
+
+
+_TRITON: object = False
+
 #: transform ids that format v1 reserves for later versions (delta against another tensor of this
 #: file or of a base checkpoint, XOR against a base); a v1 reader names them in its error
 RESERVED = ("delta", "xor", "derived")
@@ -58,10 +76,15 @@ class BytePlane:
     def encode(self, src: torch.Tensor) -> torch.Tensor:
         """A new uint8 tensor (same device) holding the planes; ``src`` is never modified."""
         w, b = self.width, self.block
+        if src.is_cuda and _triton() is not None:
+            return _triton().encode(src, w, b)
         n = src.numel() // w
         bits = 8 * w
         v = src.view(_INT[w])
-        rot = (v << 1) | ((v >> (bits - 1)) & 1)
+        rot = v << 1
+        sign = v >> (bits - 1)
+        rot |= sign.bitwise_and_(1)
+        del sign
         rb = rot.view(torch.uint8).view(n, w)
         out = torch.empty_like(src)
         full = n // b * b
@@ -75,6 +98,8 @@ class BytePlane:
     def decode(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Inverse of :meth:`encode`, written into the preallocated uint8 ``dst``."""
         w, b = self.width, self.block
+        if src.is_cuda and dst.is_cuda and _triton() is not None:
+            return _triton().decode(src, dst, w, b)
         n = src.numel() // w
         bits = 8 * w
         full = n // b * b
