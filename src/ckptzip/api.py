@@ -10,8 +10,8 @@ import torch
 
 from . import __version__
 from .codecs.base import MAX_CHUNK, Codec, get_codec
-from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, Plan, decode_storage, encode_window, gpu_window,
-                     rows_array, storage_plan_from_manifest, windows, write_chunks, write_chunks_gpu)
+from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, ChunkWriter, Job, Plan, decode_jobs, encode_window,
+                     gpu_window, storage_plan_from_manifest, windows)
 from .errors import CkptzipError, CorruptFileError, TensorNotFoundError, UnknownCodecError
 from .format import (FOOTER_SIZE, HEADER_SIZE, check_header, pack_footer, pack_header,
                      pack_manifest, parse_footer, parse_manifest)
@@ -41,8 +41,11 @@ def _encode_device(ref: StorageRef, device: str | None) -> str:
 
 
 def _bp(ref: StorageRef, chunk_size: int) -> BytePlane | None:
-    if ref.float_width and ref.data.numel() % ref.float_width == 0:
-        return BytePlane(ref.float_width, max(1, min(chunk_size, MAX_CHUNK // ref.float_width)))
+    """Byte planes for float storages, in blocks of up to 16 chunks of each plane (at most 16 MiB
+    of storage): big enough that runs of raw planes move in few copies, small enough for windows."""
+    w = ref.float_width
+    if w and ref.data.numel() % w == 0:
+        return BytePlane(w, max(1, min(MAX_CHUNK // w, chunk_size * 16 // w)))
     return None
 
 
@@ -76,6 +79,8 @@ def _choose(ref: StorageRef, codec: str | dict, transform: str | None, chunk_siz
     want_tf = transform == "byteplane" or (transform == "auto" and c.wire_id != "raw")
     tf = _bp(ref, chunk_size) if want_tf else None
     chunk = min(chunk_size, c.max_chunk)
+    if chunk_size == DEFAULT_CHUNK:
+        chunk = min(chunk, getattr(c, "preferred_chunk", chunk))
     if auto and cfg["id"] == "ans":
         return _choose_ans(ref, tf, chunk, codecs, dev)
     plan = Plan(tf, c, chunk)
@@ -89,22 +94,43 @@ _ANS_WORD = {2: "<f2", 4: "<f4"}
 RAW_PLANE_RATIO = 0.985
 
 
-def _probe_planes(ref: StorageRef, plan: Plan) -> int | None:
-    """Compress a sample (the first blocks) and mark the planes that do not shrink as raw.
-    Returns the sample's stored bytes (None when the storage is too small to sample)."""
-    tf = plan.transform
-    sample = min(ref.data.numel(), tf.block * tf.width * 2)
-    if sample < (256 << 10):
-        return None
-    stored = [0] * tf.width
-    raw = [0] * tf.width
-    for a, b, offs, szs, planes in windows(sample, tf, plan.chunk_size, sample):
+#: sample size for the choices auto makes per storage; smaller storages are not sampled
+SAMPLE = 4 << 20
+#: chunk size tried for the exponent plane (locally varying exponents, as in Adam's v, favour it)
+EXP_CHUNK = 256 << 10
+
+
+def _sample_bytes(plan: Plan, ref: StorageRef, sample: int) -> list[int]:
+    """Stored bytes per byte plane when the first ``sample`` bytes are encoded with ``plan``."""
+    w = plan.transform.width if plan.transform else 1
+    stored = [0] * w
+    for a, b, offs, szs, planes in windows(sample, plan.transform, plan.chunk_size, sample, plan.plane_chunks):
         _s, _c, _do, ds = encode_window(plan, ref.data[a:b], offs, szs, planes)
         for p, x, y in zip(planes, ds, szs):
-            stored[p] += min(x, y)
-            raw[p] += y
-    plan.raw_planes = frozenset(p for p in range(tf.width) if stored[p] > RAW_PLANE_RATIO * raw[p])
-    return sum(stored)
+            stored[max(p, 0)] += min(x, y)
+    return stored
+
+
+def _probe_planes(ref: StorageRef, plan: Plan) -> int | None:
+    """Compress a sample and mark the planes that do not shrink as raw; for ANS also try a
+    smaller chunk for the exponent plane. Returns the sample's stored bytes (None when the
+    storage is too small to sample)."""
+    tf = plan.transform
+    sample = min(ref.data.numel(), SAMPLE)
+    if ref.data.numel() < (1 << 20):
+        return None
+    stored = _sample_bytes(plan, ref, sample)
+    per_plane = sample // tf.width
+    plan.raw_planes = frozenset(p for p in range(tf.width) if stored[p] > RAW_PLANE_RATIO * per_plane)
+    top = tf.width - 1
+    if plan.codec.wire_id == "ans" and top not in plan.raw_planes and plan.chunk_size > EXP_CHUNK:
+        trial = Plan(tf, plan.codec, plan.chunk_size, raw_planes=frozenset(range(top)),
+                     plane_chunks={top: EXP_CHUNK})
+        small = _sample_bytes(trial, ref, sample)[top]
+        if small < stored[top]:
+            plan.plane_chunks = {top: EXP_CHUNK}
+            stored[top] = small
+    return sum(min(x, per_plane) for x in stored)
 
 
 def _choose_ans(ref: StorageRef, tf: BytePlane | None, chunk: int, codecs: dict, dev: str) -> Plan:
@@ -120,15 +146,13 @@ def _choose_ans(ref: StorageRef, tf: BytePlane | None, chunk: int, codecs: dict,
     if planes_bytes is None:
         return bp_plan
     word_plan = Plan(None, _get({"id": "ans", "data_type": word}, dev, {}, codecs), chunk)
-    sample = min(ref.data.numel(), tf.block * tf.width * 2)
-    words_bytes = 0
-    for a, b, offs, szs, planes in windows(sample, None, chunk, sample):
-        _s, _c, _do, ds = encode_window(word_plan, ref.data[a:b], offs, szs, planes)
-        words_bytes += sum(min(x, y) for x, y in zip(ds, szs))
+    sample = min(ref.data.numel(), SAMPLE)
+    words_bytes = sum(_sample_bytes(word_plan, ref, sample))
     best = "planes" if planes_bytes <= words_bytes else "words"
     plan = bp_plan if best == "planes" else word_plan
-    plan.choice = (f"ans/{best}: sample {planes_bytes / sample:.3f} planes "
-                   f"(raw planes {sorted(bp_plan.raw_planes)}) vs {words_bytes / sample:.3f} words")
+    plan.choice = (f"ans/{best}: sample {planes_bytes / sample:.3f} planes (raw planes "
+                   f"{sorted(bp_plan.raw_planes)}, chunks {bp_plan.plane_chunks or {}}) vs "
+                   f"{words_bytes / sample:.3f} words")
     return plan
 
 
@@ -161,32 +185,36 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
     if window is None:
         window = gpu_window() if any(p.codec.device == "cuda" for p in plans) else DEFAULT_WINDOW
     total = sum(r.data.numel() for r in enc.storages)
-    rows: list = []
     entries = []
     with atomic_write(path, fsync=fsync) as f:
         f.write(pack_header())
-        pos = HEADER_SIZE
-        for ref, plan in zip(enc.storages, plans):
-            first = len(rows)
-            nbytes = ref.data.numel()
-            for a, b, offs, sizes, planes in windows(nbytes, plan.transform, plan.chunk_size, window):
-                stream, comp, doffs, dsizes = encode_window(plan, ref.data[a:b], offs, sizes, planes)
-                if comp.device.type == "cuda":
-                    pos = write_chunks_gpu(f, pos, stream, comp, offs, sizes, doffs, dsizes, rows)
-                else:
-                    pos = write_chunks(f, pos, _host(stream), _host(comp), offs, sizes, doffs, dsizes, rows)
-                if progress:
-                    progress(b - a, total)
-            entries.append({
-                "nbytes": nbytes, "elem": ref.elem, "device": ref.device,
-                "transforms": [plan.transform.get_config()] if plan.transform else [],
-                "codec": plan.codec.get_config(), "rows": [first, len(rows) - first],
-            })
-            if getattr(plan, "choice", None):
-                entries[-1]["choice"] = plan.choice
+        w = ChunkWriter(f, HEADER_SIZE)
+        try:
+            for ref, plan in zip(enc.storages, plans):
+                first = len(w.rows)
+                nbytes = ref.data.numel()
+                for a, b, offs, sizes, planes in windows(nbytes, plan.transform, plan.chunk_size, window,
+                                                         plan.plane_chunks):
+                    stream, comp, doffs, dsizes = encode_window(plan, ref.data[a:b], offs, sizes, planes)
+                    if stream.device.type == "cuda":
+                        w.add_gpu(stream, comp, offs, sizes, doffs, dsizes)
+                    else:
+                        w.add_cpu(_host(stream), _host(comp), offs, sizes, doffs, dsizes)
+                    if progress:
+                        progress(b - a, total)
+                entries.append({
+                    "nbytes": nbytes, "elem": ref.elem, "device": ref.device,
+                    "transforms": [plan.transform.get_config()] if plan.transform else [],
+                    "codec": plan.codec.get_config(), "rows": [first, len(w.rows) - first],
+                })
+                if plan.choice:
+                    entries[-1]["choice"] = plan.choice
+        finally:
+            rows = w.finish()
+        pos = w.pos
         doc = {"format": "ckz", "version": [1, 0], "created_by": f"ckptzip {__version__}",
                "meta": meta, "n_chunks": len(rows), "storages": entries, "root": root}
-        manifest = pack_manifest(doc, rows_array(rows))
+        manifest = pack_manifest(doc, rows)
         f.write(manifest)
         f.write(pack_footer(pos, manifest))
         size = pos + len(manifest) + FOOTER_SIZE
@@ -280,20 +308,49 @@ class CheckpointReader:
             raise CorruptFileError(f"tensor refers to storage {s!r}, which does not exist")
         return s
 
+    def _job(self, i: int, t: str = "tensor") -> Job:
+        s = self.storages[i]
+        dev = _resolve_device(s.get("device", "cpu") if t == "tensor" else "cpu",
+                              self.map_location if t == "tensor" else "cpu")
+        work = self.decode_device or ("cuda" if dev.type == "cuda" or _gpu_ok() else "cpu")
+        tf, codec = storage_plan_from_manifest(s, work)
+        first, count = s["rows"]
+        out = torch.empty(s["nbytes"], dtype=torch.uint8, device=dev)
+        return Job(self.manifest.rows[first:first + count], tf, codec, out)
+
+    def _decode(self, jobs: dict[int, Job]) -> None:
+        total = self._total_bytes()
+        prog = (lambda n: self.progress(n, total)) if self.progress else None
+        gpu = any(j.codec.device == "cuda" for j in jobs.values())
+        decode_jobs(self._fd, list(jobs.values()), gpu_window() if gpu else DEFAULT_WINDOW, prog)
+        self._cache.update({i: j.out for i, j in jobs.items()})
+
     def _storage(self, node: dict[str, Any]) -> torch.Tensor:
         i = self._storage_index(node)
         if i not in self._cache:
-            s = self.storages[i]
-            dev = _resolve_device(s.get("device", "cpu") if node.get("t") == "tensor" else "cpu",
-                                  self.map_location if node.get("t") == "tensor" else "cpu")
-            work = self.decode_device or ("cuda" if dev.type == "cuda" or _gpu_ok() else "cpu")
-            tf, codec = storage_plan_from_manifest(s, work)
-            first, count = s["rows"]
-            total = self._total_bytes()
-            prog = (lambda n: self.progress(n, total)) if self.progress else None
-            self._cache[i] = decode_storage(self._fd, self.manifest.rows[first:first + count],
-                                            s["nbytes"], tf, codec, dev, progress=prog)
+            self._decode({i: self._job(i, node.get("t", "tensor"))})
         return self._cache[i]
+
+    def _prefetch_all(self) -> None:
+        """Decode every storage in one pipelined pass (file order), using each storage's first
+        referencing node kind to place it."""
+        kinds: dict[int, str] = {}
+
+        def walk(n: Any, depth: int = 0) -> None:
+            if depth > 200 or not isinstance(n, (dict, list)):
+                return
+            if isinstance(n, list):
+                for x in n:
+                    walk(x, depth + 1)
+                return
+            if n.get("t") in ("tensor", "ndarray") and type(n.get("s")) is int:
+                kinds.setdefault(n["s"], n["t"])
+            for key in ("k", "v"):
+                if isinstance(n.get(key), list):
+                    walk(n[key], depth + 1)
+        walk(self.manifest.doc["root"])
+        jobs = {i: self._job(i, t) for i, t in sorted(kinds.items()) if 0 <= i < len(self.storages)}
+        self._decode(jobs)
 
     def _total_bytes(self) -> int:
         return sum(s["nbytes"] for s in self.storages)
@@ -307,6 +364,7 @@ class CheckpointReader:
 
     def load(self) -> Any:
         """The whole object, as ``ckptzip.load`` returns it."""
+        self._prefetch_all()
         obj = Decoder(self._storage, self.allow_pickle).decode(self.manifest.doc["root"])
         self._cache.clear()
         return obj
@@ -314,7 +372,7 @@ class CheckpointReader:
     def verify(self) -> None:
         """Decode every storage (checking every checksum); raises on the first failure."""
         for i in range(len(self.storages)):
-            self._storage({"s": i, "t": "ndarray"})
+            self._decode({i: self._job(i, "ndarray")})
             self._cache.pop(i, None)
 
     def close(self) -> None:

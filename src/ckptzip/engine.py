@@ -6,6 +6,8 @@ memory any step holds is bounded by the window size, whatever the tensor's size.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,7 @@ class Plan:
     chunk_size: int
     choice: str | None = None
     raw_planes: frozenset = frozenset()
+    plane_chunks: dict = None  # plane index -> chunk size, where it differs from chunk_size
 
 
 def gpu_window(budget: int | None = None) -> int:
@@ -59,11 +62,14 @@ class PinnedPool:
 PINNED = PinnedPool()
 
 
-def windows(nbytes: int, tf: BytePlane | None, chunk: int, window: int
+def windows(nbytes: int, tf: BytePlane | None, chunk: int, window: int,
+            plane_chunks: dict[int, int] | None = None
             ) -> Iterator[tuple[int, int, list[int], list[int], list[int]]]:
     """(start, end, chunk offsets, chunk sizes, chunk planes) per window; offsets are relative to
     the window's transformed stream, which has the same length as the window; planes are the
-    byteplane index of each chunk (-1 without a transform)."""
+    byteplane index of each chunk (-1 without a transform). ``plane_chunks`` overrides the chunk
+    size of some planes."""
+    plane_chunks = plane_chunks or {}
     span = tf.block * tf.width if tf else chunk
     step = max(span, window // span * span)
     for a in range(0, nbytes, step):
@@ -71,10 +77,12 @@ def windows(nbytes: int, tf: BytePlane | None, chunk: int, window: int
         segs = tf.segments(b - a) if tf else [(0, b - a)]
         offs, sizes, planes = [], [], []
         for k, (o, n) in enumerate(segs):
-            for c in range(0, n, chunk):
+            plane = k % tf.width if tf else -1
+            cs = plane_chunks.get(plane, chunk)
+            for c in range(0, n, cs):
                 offs.append(o + c)
-                sizes.append(min(chunk, n - c))
-                planes.append(k % tf.width if tf else -1)
+                sizes.append(min(cs, n - c))
+                planes.append(plane)
         yield a, b, offs, sizes, planes
 
 
@@ -102,46 +110,107 @@ def encode_window(plan: Plan, src: torch.Tensor, offs: list[int], sizes: list[in
     return stream, dst, doffs, dsizes
 
 
-def write_chunks(f, pos: int, stream_h: np.ndarray, comp_h: np.ndarray, offs, sizes, doffs, dsizes,
-                 rows: list) -> int:
-    """Write one window's chunks (a chunk that did not shrink is stored raw) and append their
-    chunk-table rows. Returns the new file position."""
-    for o, n, co, cn in zip(offs, sizes, doffs, dsizes):
-        if cn >= n:
-            data, flags = stream_h[o:o + n], FLAG_STORED_RAW
-        else:
-            data, flags = comp_h[co:co + cn], 0
-        mv = memoryview(data)
-        f.write(mv)
-        rows.append((pos, len(data), n, checksum(mv), flags))
-        pos += len(data)
-    return pos
+ALIGN = 16  # every chunk starts at a 16-byte aligned file offset (nvCOMP's strictest alignment)
 
 
-def write_chunks_gpu(f, pos: int, stream: torch.Tensor, comp: torch.Tensor, offs, sizes, doffs,
-                     dsizes, rows: list) -> int:
-    """GPU variant of :func:`write_chunks`: the chosen bytes of every chunk are copied once into a
-    pooled pinned buffer, in file order, then written."""
-    pick = [(comp, co, cn, 0) if cn < n else (stream, o, n, FLAG_STORED_RAW)
-            for o, n, co, cn in zip(offs, sizes, doffs, dsizes)]
-    total = sum(p[2] for p in pick)
-    host = PINNED.get("write", total)
-    p = 0
-    for t, o, n, _fl in pick:
-        host[p:p + n].copy_(t[o:o + n], non_blocking=True)
-        p += n
-    torch.cuda.current_stream(comp.device).synchronize()
-    h = host.numpy()
-    f.write(memoryview(h))
-    p = 0
-    for (_t, _o, n, fl), raw in zip(pick, sizes):
-        rows.append((pos + p, n, raw, checksum(memoryview(h[p:p + n])), fl))
-        p += n
-    return pos + total
+class ChunkWriter:
+    """Appends chunks at 16-byte aligned offsets (zero padding between) and records their table
+    rows. GPU windows are copied once into pooled pinned buffers and handed to a background thread
+    that checksums and writes them, so the disk write of one window overlaps the compression of
+    the next; at most two windows are in flight."""
+
+    def __init__(self, f, pos: int) -> None:
+        self.f, self.pos, self.rows = f, pos, []
+        self._q: queue.Queue | None = None
+        self._free: queue.Queue = queue.Queue()
+        self._err: BaseException | None = None
+
+    def _place(self, n: int) -> tuple[int, int]:
+        pad = (-self.pos) % ALIGN
+        off = self.pos + pad
+        self.pos = off + n
+        return pad, off
+
+    def add_cpu(self, stream_h: np.ndarray, comp_h: np.ndarray, offs, sizes, doffs, dsizes) -> None:
+        """Write one window (host arrays); a chunk that did not shrink is stored raw."""
+        for o, n, co, cn in zip(offs, sizes, doffs, dsizes):
+            data, flags = (stream_h[o:o + n], FLAG_STORED_RAW) if cn >= n else (comp_h[co:co + cn], 0)
+            pad, off = self._place(len(data))
+            if pad:
+                self.f.write(b"\0" * pad)
+            mv = memoryview(data)
+            self.f.write(mv)
+            self.rows.append([off, len(data), n, checksum(mv), flags])
+
+    def add_gpu(self, stream: torch.Tensor, comp: torch.Tensor, offs, sizes, doffs, dsizes) -> None:
+        """Copy one GPU window's chosen bytes to a pinned buffer (runs of raw chunks in one copy)
+        and queue it for the writer thread."""
+        self._check()
+        if self._q is None:
+            self._q = queue.Queue(maxsize=1)
+            for slot in range(2):
+                self._free.put(slot)
+            self._thread = threading.Thread(target=self._run, name="ckptzip-writer", daemon=True)
+            self._thread.start()
+        start = self.pos
+        first_row = len(self.rows)
+        runs: list[list] = []  # [tensor, src offset, host offset, bytes]
+        pads: list[tuple[int, int]] = []
+        for o, n, co, cn in zip(offs, sizes, doffs, dsizes):
+            raw = cn >= n
+            t, so, ln = (stream, o, n) if raw else (comp, co, cn)
+            pad, off = self._place(ln)
+            if pad:
+                pads.append((off - pad - start, pad))
+            self.rows.append([off, ln, n, 0, FLAG_STORED_RAW if raw else 0])
+            r = runs[-1] if runs else None
+            if r is not None and r[0] is t and r[1] + r[3] == so and r[2] + r[3] == off - start:
+                r[3] += ln
+            else:
+                runs.append([t, so, off - start, ln])
+        slot = self._free.get()
+        self._check()
+        host = PINNED.get(f"write{slot}", self.pos - start)
+        for ho, ln in pads:
+            host[ho:ho + ln].zero_()
+        for t, so, ho, ln in runs:
+            host[ho:ho + ln].copy_(t[so:so + ln], non_blocking=True)
+        torch.cuda.current_stream(comp.device if comp.numel() else stream.device).synchronize()
+        self._q.put((slot, host, start, first_row, len(self.rows)))
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            slot, host, start, r0, r1 = item
+            try:
+                if self._err is None:
+                    h = host.numpy()
+                    for row in self.rows[r0:r1]:
+                        row[3] = checksum(memoryview(h[row[0] - start: row[0] - start + row[1]]))
+                    self.f.write(memoryview(h))
+            except BaseException as e:  # surfaced in the main thread
+                self._err = e
+            finally:
+                self._free.put(slot)
+
+    def _check(self) -> None:
+        if self._err is not None:
+            raise self._err
+
+    def finish(self) -> np.ndarray:
+        """Wait for queued windows; returns the chunk table rows."""
+        if self._q is not None:
+            self._q.put(None)
+            self._thread.join()
+            self._q = None
+        self._check()
+        return rows_array(self.rows)
 
 
 def rows_array(rows: list) -> np.ndarray:
-    return np.array(rows, dtype=ROW) if rows else np.zeros(0, ROW)
+    return np.array([tuple(r) for r in rows], dtype=ROW) if rows else np.zeros(0, ROW)
 
 
 def storage_plan_from_manifest(s: dict[str, Any], device: str) -> tuple[BytePlane | None, Codec]:
@@ -154,76 +223,147 @@ def storage_plan_from_manifest(s: dict[str, Any], device: str) -> tuple[BytePlan
     return tf, get_codec(s["codec"], device)
 
 
-def decode_storage(fd: int, rows: np.ndarray, nbytes: int, tf: BytePlane | None, codec: Codec,
-                   out_device: str | torch.device, window: int = DEFAULT_WINDOW,
-                   progress: Callable[[int], None] | None = None) -> torch.Tensor:
-    """Read, verify and decode one storage; returns a flat uint8 tensor on ``out_device``."""
-    out = torch.empty(nbytes, dtype=torch.uint8, device=out_device)
-    work = codec.device
+def batches(rows: np.ndarray, nbytes: int, tf: BytePlane | None, window: int
+            ) -> Iterator[tuple[int, int, int, int]]:
+    """(first row, end row, start byte, end byte) of each decode batch of one storage: a batch
+    ends on a byteplane block boundary once it holds ``window`` bytes (or at the end)."""
     span = tf.block * tf.width if tf else 1
-    raw = rows["raw"].astype(np.int64)
-    ends = np.cumsum(raw)
+    ends = np.cumsum(rows["raw"].astype(np.int64))
     i, n, start = 0, len(rows), 0
     while i < n:
-        # a batch ends on a block boundary once it holds at least `window` bytes (or at the end)
         j = i
         while j < n:
             j += 1
             if (ends[j - 1] - start) >= window and ends[j - 1] % span == 0:
                 break
-        if j == n and ends[-1] != nbytes:
-            raise CorruptFileError("chunk sizes do not add up to the storage size")
-        batch = rows[i:j]
         end = int(ends[j - 1])
         if tf is not None and end % span and end != nbytes:
             raise CorruptFileError("chunk boundaries do not align with byteplane blocks")
-        _decode_batch(fd, batch, tf, codec, out[start:end], work)
-        if progress:
-            progress(end - start)
+        yield i, j, start, end
         i, start = j, end
+
+
+@dataclass
+class Job:
+    """One storage to decode into ``out`` (a flat uint8 tensor)."""
+    rows: np.ndarray
+    tf: BytePlane | None
+    codec: Codec
+    out: torch.Tensor
+
+
+def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
+                progress: Callable[[int], None] | None = None) -> None:
+    """Decode storages with reading, checksumming and host-to-device copies of the next batch
+    overlapped with decoding the current one (a reader thread, three pooled buffers)."""
+    work_items = [(job, i, j, a, b) for job in jobs
+                  for i, j, a, b in batches(job.rows, job.out.numel(), job.tf, window)]
+    if not work_items:
+        return
+    gpu = any(job.codec.device == "cuda" for job in jobs)
+    q: queue.Queue = queue.Queue(maxsize=2)
+    free: queue.Queue = queue.Queue()
+    for slot in range(3):
+        free.put(slot)
+    stop = threading.Event()
+
+    def reader() -> None:
+        try:
+            for job, i, j, a, b in work_items:
+                if stop.is_set():
+                    return
+                slot = free.get()
+                host, soffs = read_stored(fd, job.rows[i:j], f"read{slot}" if gpu else None)
+                q.put((slot, host, soffs, None))
+        except BaseException as e:  # re-raised by the consumer
+            q.put((None, None, None, e))
+
+    t = threading.Thread(target=reader, name="ckptzip-reader", daemon=True)
+    t.start()
+    try:
+        for job, i, j, a, b in work_items:
+            slot, host, soffs, err = q.get()
+            if err is not None:
+                raise err
+            work = job.codec.device
+            src = host.to(work, non_blocking=True) if work != "cpu" else host
+            batch = job.rows[i:j]
+            decode_chunks(src, soffs, batch["stored"].tolist(), batch["raw"].tolist(),
+                          batch["flags"].tolist(), job.tf, job.codec, job.out[a:b], work)
+            if work == "cuda":
+                torch.cuda.current_stream().synchronize()  # the pinned slot may be refilled now
+            free.put(slot)
+            if progress:
+                progress(b - a)
+    finally:
+        stop.set()
+        while t.is_alive():  # unblock a reader waiting for a slot or for queue room
+            free.put(0)
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                pass
+            t.join(timeout=0.01)
+
+
+def decode_storage(fd: int, rows: np.ndarray, nbytes: int, tf: BytePlane | None, codec: Codec,
+                   out_device: str | torch.device, window: int = DEFAULT_WINDOW,
+                   progress: Callable[[int], None] | None = None) -> torch.Tensor:
+    """Read, verify and decode one storage; returns a flat uint8 tensor on ``out_device``."""
+    out = torch.empty(nbytes, dtype=torch.uint8, device=out_device)
+    decode_jobs(fd, [Job(rows, tf, codec, out)], window, progress)
     return out
 
 
-def _read_stored(fd: int, batch: np.ndarray, pinned: bool = False) -> tuple[torch.Tensor, list[int]]:
+def read_stored(fd: int, batch: np.ndarray, pinned_name: str | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Read a batch's stored chunks into one host buffer (pinned when named) and verify their
+    checksums. Returns the buffer and each chunk's offset in it (16-byte aligned when the file's
+    chunks are)."""
     stored = batch["stored"].astype(np.int64)
-    offs = np.concatenate([[0], np.cumsum(stored)[:-1]]).astype(np.int64)
-    if pinned:  # the previous batch's host-to-device copy must be done before the buffer is reused
-        torch.cuda.current_stream().synchronize()
-    buf = PINNED.get("read", int(stored.sum())) if pinned else torch.empty(int(stored.sum()), dtype=torch.uint8)
-    b = buf.numpy()
     fo = batch["offset"].astype(np.int64)
-    contiguous = len(batch) > 0 and bool(np.all(fo[1:] == fo[:-1] + stored[:-1]))
-    if contiguous:
+    n = len(batch)
+    span = int(fo[-1] + stored[-1] - fo[0]) if n else 0
+    in_order = n > 0 and bool(np.all(fo[1:] >= fo[:-1] + stored[:-1]))
+    if in_order and span <= int(stored.sum()) + ALIGN * n:  # one read covers the batch
+        offs = fo - fo[0]
+        total = span
+    else:
+        padded = (stored + ALIGN - 1) // ALIGN * ALIGN
+        offs = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.int64)
+        total = int(padded.sum())
+    buf = PINNED.get(pinned_name, total) if pinned_name else torch.empty(total, dtype=torch.uint8)
+    b = buf.numpy()
+    if in_order and total == span:
         pread_into(fd, memoryview(b), int(fo[0]))
     else:
-        for k in range(len(batch)):
+        for k in range(n):
             pread_into(fd, memoryview(b[offs[k]:offs[k] + stored[k]]), int(fo[k]))
-    for k in range(len(batch)):
+    for k in range(n):
         if checksum(memoryview(b[offs[k]:offs[k] + stored[k]])) != int(batch["xxh3"][k]):
             raise ChecksumError(f"chunk at file offset {int(fo[k])} fails its checksum")
     return buf, offs.tolist()
 
 
-def _decode_batch(fd: int, batch: np.ndarray, tf: BytePlane | None, codec: Codec,
-                  dst: torch.Tensor, work: str) -> None:
-    host, soffs = _read_stored(fd, batch, pinned=work == "cuda")
-    src = host.to(work, non_blocking=True) if work != "cpu" else host
-    decode_chunks(src, soffs, batch["stored"].tolist(), batch["raw"].tolist(), batch["flags"].tolist(),
-                  tf, codec, dst, work)
-
-
 def decode_chunks(src: torch.Tensor, soffs: list[int], stored: list[int], raws: list[int],
                   flags: list[int], tf: BytePlane | None, codec: Codec, dst: torch.Tensor,
                   work: str) -> None:
-    """Decode verified stored chunks (``src`` on ``work``) into ``dst``: raw chunks are copied,
-    the others go to the codec in one batch, then the transform is undone."""
+    """Decode verified stored chunks (``src`` on ``work``) into ``dst``: runs of raw chunks are
+    copied in one go, the others go to the codec in one batch, then the transform is undone."""
     stream = dst if (tf is None and dst.device.type == work) else \
         torch.empty(dst.numel(), dtype=torch.uint8, device=work)
     roffs = np.concatenate([[0], np.cumsum(raws)[:-1]]).astype(np.int64).tolist() if raws else []
     ci = [k for k in range(len(raws)) if flags[k] != FLAG_STORED_RAW]
-    for k in range(len(raws)):
-        if flags[k] == FLAG_STORED_RAW:
-            stream[roffs[k]:roffs[k] + raws[k]].copy_(src[soffs[k]:soffs[k] + stored[k]])
+    k, n = 0, len(raws)
+    while k < n:
+        if flags[k] != FLAG_STORED_RAW:
+            k += 1
+            continue
+        j = k + 1
+        while j < n and flags[j] == FLAG_STORED_RAW and soffs[j] == soffs[j - 1] + stored[j - 1]:
+            j += 1
+        ln = roffs[j - 1] + raws[j - 1] - roffs[k]
+        stream[roffs[k]:roffs[k] + ln].copy_(src[soffs[k]:soffs[k] + ln])
+        k = j
     if ci:
         codec.decode(src, [soffs[k] for k in ci], [stored[k] for k in ci],
                      stream, [roffs[k] for k in ci], [raws[k] for k in ci])

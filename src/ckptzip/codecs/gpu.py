@@ -79,6 +79,9 @@ class NvcompCodec(Codec):
     device: ClassVar[str] = "cuda"
     algorithm: ClassVar[str]
     max_chunk: ClassVar[int] = 16 * 1024 * 1024
+    #: chunk size that keeps the GPU busy: entropy coders like large chunks (better ratio),
+    #: LZ-style codecs parallelise over chunks and want many small ones
+    preferred_chunk: ClassVar[int] = 64 * 1024
 
     def _opts(self) -> tuple:
         return tuple(sorted(self.config.items()))
@@ -156,29 +159,36 @@ class NvcompCodec(Codec):
             src = src.to(dst.device, non_blocking=True)
         sbuf, soffs = self._aligned(src, src_offsets, src_sizes)
         a = self._align
-        direct = all(o % a == 0 for o in dst_offsets) and dst.data_ptr() % a == 0
-        if direct:
-            dbuf, doffs = dst, list(dst_offsets)
-        else:
-            doffs, pos = [], 0
-            for n in dst_sizes:
-                doffs.append(pos)
-                pos += _ceil(n, a)
-            dbuf = torch.empty(pos, dtype=torch.uint8, device=dst.device)
-        try:
-            res = codec.decode(nv.as_arrays(sbuf, list(soffs), list(src_sizes)),
-                               out=nv.as_arrays(dbuf, doffs, list(dst_sizes)))
-            got = [int(x) for x in res.buffer_sizes]
-        except Exception as e:
-            raise CodecError(f"nvCOMP {self.algorithm} decode failed: {e}") from None
-        if got != [int(n) for n in dst_sizes]:
-            raise CodecError(f"nvCOMP {self.algorithm}: chunks decoded to other sizes than declared")
-        if not direct:
-            for o, n, p in zip(dst_offsets, dst_sizes, doffs):
-                dst[o:o + n].copy_(dbuf[p:p + n])
+        base_ok = dst.data_ptr() % a == 0
+        direct = [i for i, o in enumerate(dst_offsets) if base_ok and o % a == 0]
+        staged = [i for i, o in enumerate(dst_offsets) if not (base_ok and o % a == 0)]
+        tmp, toffs = None, []
+        if staged:
+            pos = 0
+            for i in staged:
+                toffs.append(pos)
+                pos += _ceil(dst_sizes[i], a)
+            tmp = torch.empty(pos, dtype=torch.uint8, device=dst.device)
+        groups = [(direct, dst, [dst_offsets[i] for i in direct]), (staged, tmp, toffs)]
+        for idx, buf, offs in groups:
+            if not idx:
+                continue
+            want = [int(dst_sizes[i]) for i in idx]
+            try:
+                res = codec.decode(nv.as_arrays(sbuf, [soffs[i] for i in idx], [src_sizes[i] for i in idx]),
+                                   out=nv.as_arrays(buf, offs, want))
+                got = [int(x) for x in res.buffer_sizes]
+            except Exception as e:
+                raise CodecError(f"nvCOMP {self.algorithm} decode failed: {e}") from None
+            if got != want:
+                raise CodecError(f"nvCOMP {self.algorithm}: chunks decoded to other sizes than declared")
+        for i, p in zip(staged, toffs):
+            o, n = dst_offsets[i], dst_sizes[i]
+            dst[o:o + n].copy_(tmp[p:p + n])
 
 
-def _gpu_codec(wire_id: str, algorithm: str, keys: tuple[str, ...] = (), validate=None):
+def _gpu_codec(wire_id: str, algorithm: str, keys: tuple[str, ...] = (), validate=None,
+               preferred_chunk: int = 64 * 1024):
     def __init__(self, **config: Any) -> None:
         Codec.__init__(self, **config)
         if validate:
@@ -186,6 +196,7 @@ def _gpu_codec(wire_id: str, algorithm: str, keys: tuple[str, ...] = (), validat
 
     cls = type(f"{algorithm}GPU", (NvcompCodec,), {
         "wire_id": wire_id, "algorithm": algorithm, "config_keys": keys, "__init__": __init__,
+        "preferred_chunk": preferred_chunk,
         "__doc__": f"nvCOMP {algorithm} (RAW bitstream) on the GPU; wire id {wire_id!r}."})
     return register(cls)
 
@@ -197,11 +208,11 @@ def _dtypes(allowed):
     return check
 
 
-ANSGPU = _gpu_codec("ans", "ANS", ("data_type",), _dtypes(("|u1", "<f2", "<f4", "|f1", "|i1")))
+ANSGPU = _gpu_codec("ans", "ANS", ("data_type",), _dtypes(("|u1", "<f2", "<f4", "|f1", "|i1")), None, 1 << 20)
 ZstdGPU = _gpu_codec("zstd", "Zstd")
 DeflateGPU = _gpu_codec("deflate", "Deflate")
 GDeflateGPU = _gpu_codec("gdeflate", "GDeflate")
 LZ4GPU = _gpu_codec("lz4", "LZ4", ("data_type",))
 SnappyGPU = _gpu_codec("snappy", "Snappy")
-BitcompGPU = _gpu_codec("bitcomp", "Bitcomp", ("data_type", "algorithm_type"))
+BitcompGPU = _gpu_codec("bitcomp", "Bitcomp", ("data_type", "algorithm_type"), None, 1 << 20)
 CascadedGPU = _gpu_codec("cascaded", "Cascaded", ("data_type",))
