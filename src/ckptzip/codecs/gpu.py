@@ -208,7 +208,7 @@ def _dtypes(allowed):
     return check
 
 
-ANSGPU = _gpu_codec("ans", "ANS", ("data_type",), _dtypes(("|u1", "<f2", "<f4", "|f1", "|i1")), None, 1 << 20)
+ANSGPU = _gpu_codec("ans", "ANS", ("data_type",), _dtypes(("|u1", "<f2", "<f4", "|f1", "|i1")), 1 << 20)
 ZstdGPU = _gpu_codec("zstd", "Zstd")
 DeflateGPU = _gpu_codec("deflate", "Deflate")
 GDeflateGPU = _gpu_codec("gdeflate", "GDeflate")
