@@ -26,32 +26,34 @@ def measure(t: torch.Tensor, codec="auto", reps=3, portable=False):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         packed = []
-        for a, b, offs, sizes, planes in windows(n, plan.transform, plan.chunk_size, win):
+        for a, b, offs, sizes, planes in windows(n, plan.transform, plan.chunk_size, win, plan.plane_chunks):
             stream, comp, doffs, dsizes = encode_window(plan, ref.data[a:b], offs, sizes, planes)
-            pieces, flags, stored = [], [], []
+            # pack as the file does: chosen bytes of each chunk at 16-byte aligned offsets
+            flags, stored, soffs, pos = [], [], [], 0
             for o, sz, co, cn in zip(offs, sizes, doffs, dsizes):
                 raw = cn >= sz
-                pieces.append(stream[o:o + sz] if raw else comp[co:co + cn])
                 flags.append(FLAG_STORED_RAW if raw else 0)
                 stored.append(sz if raw else cn)
-            packed.append((a, b, torch.cat(pieces), stored, sizes, flags))
+                soffs.append(pos)
+                pos += (stored[-1] + 15) // 16 * 16
+            buf = torch.empty(pos, dtype=torch.uint8, device="cuda")
+            for o, sz, co, cn, so, st in zip(offs, sizes, doffs, dsizes, soffs, stored):
+                buf[so:so + st].copy_(stream[o:o + sz] if cn >= sz else comp[co:co + cn])
+            packed.append((a, b, buf, soffs, stored, sizes, flags))
         torch.cuda.synchronize()
         best_e = min(best_e, time.perf_counter() - t0)
-        total = sum(sum(p[3]) for p in packed)
+        total = sum(sum(p[4]) for p in packed)
         dst = torch.empty_like(ref.data)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for a, b, buf, stored, sizes, flags in packed:
-            soffs = [0]
-            for x in stored[:-1]:
-                soffs.append(soffs[-1] + x)
+        for a, b, buf, soffs, stored, sizes, flags in packed:
             decode_chunks(buf, soffs, stored, sizes, flags, plan.transform, plan.codec, dst[a:b], "cuda")
         torch.cuda.synchronize()
         best_d = min(best_d, time.perf_counter() - t0)
         del packed
     assert torch.equal(dst, ref.data), "round trip failed"
     return {"codec": plan.codec.get_config(), "transform": plan.transform.get_config() if plan.transform else None,
-            "ratio": total / n, "compress_GBps": n / best_e / 1e9, "decompress_GBps": n / best_d / 1e9,
+            "raw_planes": sorted(plan.raw_planes), "plane_chunks": plan.plane_chunks, "ratio": total / n, "compress_GBps": n / best_e / 1e9, "decompress_GBps": n / best_d / 1e9,
             "choice": plan.choice}
 
 
