@@ -263,6 +263,11 @@ def main():
         del cat
     locality = exponent_locality(comps["adam v"])
     print("adam v exponent locality", locality, flush=True)
+    try:
+        import probe_vexp
+        locality["coders"] = probe_vexp.main(state)
+    except Exception as e:  # noqa: BLE001
+        locality["coders"] = str(e)
     whole = e2e(state, a.disk)
     res = {"info": info, "components": per, "end_to_end": whole, "adam_v_exponent": locality}
     with open(os.path.join(a.out, "bench.json"), "w") as f:
