@@ -20,6 +20,7 @@ from ..errors import CodecError, GPURequiredError, UnknownCodecError
 from .base import Codec, register
 
 _LOCK = threading.Lock()
+_MAX_OUT: dict = {}  # (codec id, chunk bytes) -> nvCOMP's worst-case compressed size
 
 
 @functools.lru_cache(maxsize=1)
@@ -101,8 +102,12 @@ class NvcompCodec(Codec):
         return 16
 
     def _max_out(self, nv, codec, n: int) -> int:
-        probe = torch.empty(n, dtype=torch.uint8, device="cuda")
-        return int(codec.get_max_comp_buffer_size(nv.as_array(probe)))
+        key = (id(codec), n)
+        got = _MAX_OUT.get(key)
+        if got is None:
+            probe = torch.empty(n, dtype=torch.uint8, device="cuda")
+            got = _MAX_OUT[key] = int(codec.get_max_comp_buffer_size(nv.as_array(probe)))
+        return got
 
     def _aligned(self, src: torch.Tensor, offsets, sizes):
         """(buffer, offsets) with every chunk start aligned; copies only if needed."""
@@ -188,15 +193,18 @@ class NvcompCodec(Codec):
 
 
 def _gpu_codec(wire_id: str, algorithm: str, keys: tuple[str, ...] = (), validate=None,
-               preferred_chunk: int = 64 * 1024):
+               preferred_chunk: int = 64 * 1024, local: tuple[str, ...] = ()):
     def __init__(self, **config: Any) -> None:
         Codec.__init__(self, **config)
         if validate:
             validate(config)
 
+    def local_keys(cls) -> tuple[str, ...]:
+        return local
+
     cls = type(f"{algorithm}GPU", (NvcompCodec,), {
         "wire_id": wire_id, "algorithm": algorithm, "config_keys": keys, "__init__": __init__,
-        "preferred_chunk": preferred_chunk,
+        "preferred_chunk": preferred_chunk, "local_keys": classmethod(local_keys),
         "__doc__": f"nvCOMP {algorithm} (RAW bitstream) on the GPU; wire id {wire_id!r}."})
     return register(cls)
 
@@ -208,7 +216,9 @@ def _dtypes(allowed):
     return check
 
 
-ANSGPU = _gpu_codec("ans", "ANS", ("data_type",), _dtypes(("|u1", "<f2", "<f4", "|f1", "|i1")), 1 << 20)
+#: max_sub_chunk_count only steers the encoder (decoders read it from the stream)
+ANSGPU = _gpu_codec("ans", "ANS", ("data_type",), _dtypes(("|u1", "<f2", "<f4", "|f1", "|i1")), 1 << 20,
+                    ("max_sub_chunk_count",))
 ZstdGPU = _gpu_codec("zstd", "Zstd")
 DeflateGPU = _gpu_codec("deflate", "Deflate")
 GDeflateGPU = _gpu_codec("gdeflate", "GDeflate")
