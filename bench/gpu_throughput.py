@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from ckptzip.api import _choose
+from ckptzip.planner import Planner
 from ckptzip.engine import FLAG_STORED_RAW, decode_chunks, encode_window, gpu_window, windows
 from ckptzip.tree import StorageRef
 
@@ -18,9 +18,9 @@ def ref_of(t: torch.Tensor) -> StorageRef:
 
 def measure(t: torch.Tensor, codec="auto", reps=3, portable=False):
     ref = ref_of(t)
-    plan = _choose(ref, codec, "auto", 1 << 20, None, {}, "cuda", portable)
-    n = ref.data.numel()
     win = gpu_window()
+    plan = Planner(codec, "auto", 1 << 20, None, "cuda", portable).plan_all([ref], win)[0]
+    n = ref.data.numel()
     best_e = best_d = 1e9
     for _ in range(reps):
         torch.cuda.synchronize()

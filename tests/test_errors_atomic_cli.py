@@ -100,7 +100,7 @@ def test_exception_mid_save_keeps_old_file(tmp_path, monkeypatch):
     def bad(*a, **k):
         raise Boom()
     import ckptzip.api as api
-    monkeypatch.setattr(api.ChunkWriter, "add_cpu", bad)
+    monkeypatch.setattr(api.ChunkWriter, "add", bad)
     with pytest.raises(Boom):
         ckptzip.save({"v": torch.zeros(10)}, p)
     assert p.read_bytes() == old

@@ -41,10 +41,10 @@ def _dec(src, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.constex
     tl.store(dst + idx, u, mask=mask)
 
 
-def encode(src: torch.Tensor, width: int, block: int) -> torch.Tensor:
+def encode(src: torch.Tensor, width: int, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
     it, ut = _U[width]
     n = src.numel() // width
-    out = torch.empty_like(src)
+    out = torch.empty_like(src) if out is None else out
     if n:
         _enc[(triton.cdiv(n, TILE),)](src.view(it), out, n, block, W=width, BITS=8 * width, UT=ut, TILE=TILE)
     return out

@@ -10,8 +10,9 @@ import torch
 
 from . import __version__
 from .codecs.base import MAX_CHUNK, Codec, get_codec
-from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, ChunkWriter, Job, Plan, decode_jobs, encode_window,
-                     gpu_window, storage_plan_from_manifest, windows)
+from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, ChunkWriter, Job, decode_jobs, encode_group,
+                     gpu_window, groups, storage_plan_from_manifest, units_of)
+from .planner import Planner, gpu_ok, plan_storages
 from .errors import CkptzipError, CorruptFileError, TensorNotFoundError, UnknownCodecError
 from .format import (FOOTER_SIZE, HEADER_SIZE, check_header, pack_footer, pack_header,
                      pack_manifest, parse_footer, parse_manifest)
@@ -22,141 +23,8 @@ from .tree import Decoder, Encoder, StorageRef, tensor_paths
 Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
 
 
-#: GPU zstd compresses at about 5-8 GB/s; storage slower than this gets zstd (portable) on GPU
-GPU_ZSTD_GBPS = 6.0
-STANDARD = ("zstd", "deflate", "raw")
-
-
 def _gpu_ok() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    from .codecs.gpu import gpu_available
-    return gpu_available()
-
-
-def _encode_device(ref: StorageRef, device: str | None) -> str:
-    if device in ("cpu", "cuda"):
-        return device
-    return "cuda" if _gpu_ok() else "cpu"
-
-
-def _bp(ref: StorageRef, chunk_size: int) -> BytePlane | None:
-    """Byte planes for float storages, in blocks of up to 16 chunks of each plane (at most 16 MiB
-    of storage): big enough that runs of raw planes move in few copies, small enough for windows."""
-    w = ref.float_width
-    if w and ref.data.numel() % w == 0:
-        return BytePlane(w, max(1, min(MAX_CHUNK // w, chunk_size * 16 // w)))
-    return None
-
-
-def _get(cfg: dict, dev: str, local: dict, codecs: dict) -> Codec:
-    key = (repr(sorted(cfg.items())), dev, repr(local))
-    if key not in codecs:
-        codecs[key] = get_codec(cfg, dev, **local)
-    return codecs[key]
-
-
-def _choose(ref: StorageRef, codec: str | dict, transform: str | None, chunk_size: int,
-            level: int | None, codecs: dict, device: str | None = None, portable: bool = False,
-            storage_gbps: float | None = None) -> Plan:
-    """The plan for one storage.
-
-    ``codec="auto"``: on the CPU, byte planes + zstd for floats and zstd otherwise. On a GPU, zstd
-    (byte planes for floats) when ``portable`` or when the storage is slower than GPU zstd;
-    otherwise nvCOMP ANS, with the layout (byte planes + ``|u1`` symbols, or whole words as
-    ``<f2``/``<f4``) picked by compressing a sample both ways.
-    """
-    dev = _encode_device(ref, device)
-    cfg = dict(codec) if isinstance(codec, dict) else {"id": codec}
-    auto = cfg["id"] == "auto"
-    if portable and not auto and cfg["id"] not in STANDARD:
-        raise UnknownCodecError(f"codec {cfg['id']!r} is not portable; use zstd, deflate or raw")
-    slow_storage = storage_gbps is not None and storage_gbps < GPU_ZSTD_GBPS
-    if auto:
-        cfg = {"id": "ans" if dev == "cuda" and not portable and not slow_storage else "zstd"}
-    local = {"level": level} if (level is not None and cfg["id"] in ("zstd", "deflate") and dev == "cpu") else {}
-    c = _get(cfg, dev, local, codecs)
-    want_tf = transform == "byteplane" or (transform == "auto" and c.wire_id != "raw")
-    tf = _bp(ref, chunk_size) if want_tf else None
-    chunk = min(chunk_size, c.max_chunk)
-    if chunk_size == DEFAULT_CHUNK:
-        chunk = min(chunk, getattr(c, "preferred_chunk", chunk))
-    if auto and cfg["id"] == "ans":
-        return _choose_ans(ref, tf, chunk, codecs, dev)
-    plan = Plan(tf, c, chunk)
-    if tf is not None:
-        _probe_planes(ref, plan)
-    return plan
-
-
-_ANS_WORD = {2: "<f2", 4: "<f4"}
-#: a byte plane whose sample shrinks by less than this is stored raw without calling the codec
-RAW_PLANE_RATIO = 0.985
-
-
-#: sample size for the choices auto makes per storage; smaller storages are not sampled
-SAMPLE = 4 << 20
-#: chunk size tried for the exponent plane (locally varying exponents, as in Adam's v, favour it)
-EXP_CHUNK = 128 << 10
-#: ANS encoder option for byte planes: fewer sub-chunks per chunk, less per-chunk overhead
-#: (measured on Adam v's exponent plane: 0.316 at 128 KiB vs 0.321 with nvCOMP's default of 8)
-ANS_PLANES = {"max_sub_chunk_count": 4}
-
-
-def _sample_bytes(plan: Plan, ref: StorageRef, sample: int) -> list[int]:
-    """Stored bytes per byte plane when the first ``sample`` bytes are encoded with ``plan``."""
-    w = plan.transform.width if plan.transform else 1
-    stored = [0] * w
-    for a, b, offs, szs, planes in windows(sample, plan.transform, plan.chunk_size, sample, plan.plane_chunks):
-        _s, _c, _do, ds = encode_window(plan, ref.data[a:b], offs, szs, planes)
-        for p, x, y in zip(planes, ds, szs):
-            stored[max(p, 0)] += min(x, y)
-    return stored
-
-
-def _probe_planes(ref: StorageRef, plan: Plan) -> int | None:
-    """Compress a sample and mark the planes that do not shrink as raw; for ANS also try a
-    smaller chunk for the exponent plane. Returns the sample's stored bytes (None when the
-    storage is too small to sample)."""
-    tf = plan.transform
-    sample = min(ref.data.numel(), SAMPLE)
-    if ref.data.numel() < (1 << 20):
-        return None
-    stored = _sample_bytes(plan, ref, sample)
-    per_plane = sample // tf.width
-    plan.raw_planes = frozenset(p for p in range(tf.width) if stored[p] > RAW_PLANE_RATIO * per_plane)
-    top = tf.width - 1
-    if plan.codec.wire_id == "ans" and top not in plan.raw_planes and plan.chunk_size > EXP_CHUNK:
-        trial = Plan(tf, plan.codec, plan.chunk_size, raw_planes=frozenset(range(top)),
-                     plane_chunks={top: EXP_CHUNK})
-        small = _sample_bytes(trial, ref, sample)[top]
-        if small < stored[top]:
-            plan.plane_chunks = {top: EXP_CHUNK}
-            stored[top] = small
-    return sum(min(x, per_plane) for x in stored)
-
-
-def _choose_ans(ref: StorageRef, tf: BytePlane | None, chunk: int, codecs: dict, dev: str) -> Plan:
-    """ANS layout by ratio on a sample: byte planes with byte symbols (incompressible planes
-    stored raw) vs. whole 16/32-bit words."""
-    bp_plan = Plan(tf, _get({"id": "ans", "data_type": "|u1"}, dev, ANS_PLANES, codecs), chunk)
-    word = _ANS_WORD.get(ref.float_width)
-    if tf is None or word is None:
-        if ref.elem.startswith("float8"):
-            return Plan(None, _get({"id": "ans", "data_type": "|f1"}, dev, {}, codecs), chunk)
-        return bp_plan
-    planes_bytes = _probe_planes(ref, bp_plan)
-    if planes_bytes is None:
-        return bp_plan
-    word_plan = Plan(None, _get({"id": "ans", "data_type": word}, dev, {}, codecs), chunk)
-    sample = min(ref.data.numel(), SAMPLE)
-    words_bytes = sum(_sample_bytes(word_plan, ref, sample))
-    best = "planes" if planes_bytes <= words_bytes else "words"
-    plan = bp_plan if best == "planes" else word_plan
-    plan.choice = (f"ans/{best}: sample {planes_bytes / sample:.3f} planes (raw planes "
-                   f"{sorted(bp_plan.raw_planes)}, chunks {bp_plan.plane_chunks or {}}) vs "
-                   f"{words_bytes / sample:.3f} words")
-    return plan
+    return gpu_ok()
 
 
 def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", transform: str | None = "auto",
@@ -182,38 +50,38 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
         raise TypeError("metadata must map str to str")
     enc = Encoder(allow_pickle=allow_pickle)
     root = enc.encode(obj)
-    codecs: dict = {}
-    plans = [_choose(r, codec, transform, chunk_size, level, codecs, device, portable, storage_gbps)
-             for r in enc.storages]
+    gpu = Planner(codec, transform, chunk_size, level, device, portable, storage_gbps).dev == "cuda"
     if window is None:
-        window = gpu_window() if any(p.codec.device == "cuda" for p in plans) else DEFAULT_WINDOW
+        window = gpu_window() if gpu else DEFAULT_WINDOW
+    plans = plan_storages(enc.storages, window, codec=codec, transform=transform, chunk_size=chunk_size,
+                          level=level, device=device, portable=portable, storage_gbps=storage_gbps)
     total = sum(r.data.numel() for r in enc.storages)
-    entries = []
+    units = [u for i, (ref, plan) in enumerate(zip(enc.storages, plans))
+             for u in units_of(i, ref.data, plan, window)]
+    counts = [0] * len(plans)
     with atomic_write(path, fsync=fsync) as f:
         f.write(pack_header())
         w = ChunkWriter(f, HEADER_SIZE)
         try:
-            for ref, plan in zip(enc.storages, plans):
-                first = len(w.rows)
-                nbytes = ref.data.numel()
-                for a, b, offs, sizes, planes in windows(nbytes, plan.transform, plan.chunk_size, window,
-                                                         plan.plane_chunks):
-                    stream, comp, doffs, dsizes = encode_window(plan, ref.data[a:b], offs, sizes, planes)
-                    if stream.device.type == "cuda":
-                        w.add_gpu(stream, comp, offs, sizes, doffs, dsizes)
-                    else:
-                        w.add_cpu(_host(stream), _host(comp), offs, sizes, doffs, dsizes)
-                    if progress:
-                        progress(b - a, total)
-                entries.append({
-                    "nbytes": nbytes, "elem": ref.elem, "device": ref.device,
-                    "transforms": [plan.transform.get_config()] if plan.transform else [],
-                    "codec": plan.codec.get_config(), "rows": [first, len(w.rows) - first],
-                })
-                if plan.choice:
-                    entries[-1]["choice"] = plan.choice
+            for grp in groups(units, window):
+                pieces = encode_group(grp)
+                w.add([p for unit_pieces in pieces for p in unit_pieces])
+                for u, unit_pieces in zip(grp, pieces):
+                    counts[u.owner] += len(unit_pieces)
+                if progress:
+                    progress(sum(u.data.numel() for u in grp), total)
         finally:
             rows = w.finish()
+        entries, first = [], 0
+        for ref, plan, count in zip(enc.storages, plans, counts):
+            entries.append({
+                "nbytes": ref.data.numel(), "elem": ref.elem, "device": ref.device,
+                "transforms": [plan.transform.get_config()] if plan.transform else [],
+                "codec": plan.codec.get_config(), "rows": [first, count],
+            })
+            if plan.choice:
+                entries[-1]["choice"] = plan.choice
+            first += count
         pos = w.pos
         doc = {"format": "ckz", "version": [1, 0], "created_by": f"ckptzip {__version__}",
                "meta": meta, "n_chunks": len(rows), "storages": entries, "root": root}

@@ -110,6 +110,92 @@ def encode_window(plan: Plan, src: torch.Tensor, offs: list[int], sizes: list[in
     return stream, dst, doffs, dsizes
 
 
+@dataclass
+class Unit:
+    """One window of one storage, planned: what encode_group compresses."""
+    owner: int
+    data: torch.Tensor
+    plan: Plan
+    offs: list
+    sizes: list
+    planes: list
+    base: int = 0
+
+
+def units_of(owner: int, data: torch.Tensor, plan: Plan, window: int, limit: int | None = None) -> list[Unit]:
+    n = data.numel() if limit is None else min(limit, data.numel())
+    return [Unit(owner, data[a:b], plan, offs, sizes, planes)
+            for a, b, offs, sizes, planes in windows(n, plan.transform, plan.chunk_size, window, plan.plane_chunks)]
+
+
+def groups(units: list[Unit], window: int, max_chunks: int = 8192) -> Iterator[list[Unit]]:
+    """Consecutive units packed into groups of about ``window`` bytes, so that many small storages
+    share one nvCOMP call (a call costs ~0.5 ms whatever its size)."""
+    cur: list[Unit] = []
+    nbytes = nchunks = 0
+    for u in units:
+        if cur and (nbytes + u.data.numel() > window or nchunks + len(u.sizes) > max_chunks
+                    or u.plan.codec.device != cur[0].plan.codec.device):
+            yield cur
+            cur, nbytes, nchunks = [], 0, 0
+        cur.append(u)
+        nbytes += u.data.numel()
+        nchunks += len(u.sizes)
+    if cur:
+        yield cur
+
+
+def _codec_key(c: Codec) -> tuple:
+    return (type(c).__name__, repr(sorted(c.config.items())))
+
+
+def encode_group(units: list[Unit]) -> list[list[tuple]]:
+    """Transform every unit into one group stream on the codec device and compress all chunks of
+    each codec in one call. Returns, per unit, its chunks as writer pieces
+    (tensor, offset, stored bytes, raw bytes, flags); a chunk that does not shrink stays raw."""
+    dev = units[0].plan.codec.device
+    total = sum(u.data.numel() for u in units)
+    single = len(units) == 1 and units[0].plan.transform is None and units[0].data.device.type == dev
+    stream = units[0].data if single else torch.empty(total, dtype=torch.uint8, device=dev)
+    staged = None
+    pos = 0
+    for u in units:
+        n = u.data.numel()
+        u.base = pos
+        src = u.data
+        if not single:
+            if src.device.type != dev:
+                if dev == "cuda":
+                    if staged is None:
+                        staged = PINNED.get("stage", total)
+                    staged[pos:pos + n].copy_(src)
+                    src = staged[pos:pos + n].to(dev, non_blocking=True)
+                else:
+                    src = src.to(dev)
+            if u.plan.transform is not None:
+                u.plan.transform.encode(src, out=stream[pos:pos + n])
+            else:
+                stream[pos:pos + n].copy_(src)
+        pos += n
+    out = [[(stream, u.base + o, n, n, FLAG_STORED_RAW) for o, n in zip(u.offs, u.sizes)] for u in units]
+    by_codec: dict[tuple, tuple[Codec, list]] = {}
+    for ui, u in enumerate(units):
+        items = by_codec.setdefault(_codec_key(u.plan.codec), (u.plan.codec, []))[1]
+        for k, (o, n, p) in enumerate(zip(u.offs, u.sizes, u.planes)):
+            if p not in u.plan.raw_planes:
+                items.append((ui, k, u.base + o, n))
+    for codec, items in by_codec.values():
+        if not items:
+            continue
+        comp, doffs, dsizes = codec.encode(stream, [it[2] for it in items], [it[3] for it in items])
+        for (ui, k, _so, n), co, cn in zip(items, doffs, dsizes):
+            if cn < n:
+                out[ui][k] = (comp, co, cn, n, 0)
+    if staged is not None:
+        torch.cuda.current_stream().synchronize()  # the staging buffer may be reused next group
+    return out
+
+
 ALIGN = 16  # every chunk starts at a 16-byte aligned file offset (nvCOMP's strictest alignment)
 
 
@@ -131,20 +217,21 @@ class ChunkWriter:
         self.pos = off + n
         return pad, off
 
-    def add_cpu(self, stream_h: np.ndarray, comp_h: np.ndarray, offs, sizes, doffs, dsizes) -> None:
-        """Write one window (host arrays); a chunk that did not shrink is stored raw."""
-        for o, n, co, cn in zip(offs, sizes, doffs, dsizes):
-            data, flags = (stream_h[o:o + n], FLAG_STORED_RAW) if cn >= n else (comp_h[co:co + cn], 0)
-            pad, off = self._place(len(data))
-            if pad:
-                self.f.write(b"\0" * pad)
-            mv = memoryview(data)
-            self.f.write(mv)
-            self.rows.append([off, len(data), n, checksum(mv), flags])
-
-    def add_gpu(self, stream: torch.Tensor, comp: torch.Tensor, offs, sizes, doffs, dsizes) -> None:
-        """Copy one GPU window's chosen bytes to a pinned buffer (runs of raw chunks in one copy)
-        and queue it for the writer thread."""
+    def add(self, pieces: list[tuple[torch.Tensor, int, int, int, int]]) -> None:
+        """Append chunks given as (tensor, offset, stored bytes, raw bytes, flags), in order.
+        CPU tensors are written at once; CUDA ones go through a pinned buffer (runs of adjacent
+        chunks in one copy) to the writer thread."""
+        if not pieces:
+            return
+        if pieces[0][0].device.type != "cuda":
+            for t, so, ln, raw, flags in pieces:
+                pad, off = self._place(ln)
+                if pad:
+                    self.f.write(b"\0" * pad)
+                mv = memoryview(t[so:so + ln].numpy())
+                self.f.write(mv)
+                self.rows.append([off, ln, raw, checksum(mv), flags])
+            return
         self._check()
         if self._q is None:
             self._q = queue.Queue(maxsize=1)
@@ -156,13 +243,11 @@ class ChunkWriter:
         first_row = len(self.rows)
         runs: list[list] = []  # [tensor, src offset, host offset, bytes]
         pads: list[tuple[int, int]] = []
-        for o, n, co, cn in zip(offs, sizes, doffs, dsizes):
-            raw = cn >= n
-            t, so, ln = (stream, o, n) if raw else (comp, co, cn)
+        for t, so, ln, raw, flags in pieces:
             pad, off = self._place(ln)
             if pad:
                 pads.append((off - pad - start, pad))
-            self.rows.append([off, ln, n, 0, FLAG_STORED_RAW if raw else 0])
+            self.rows.append([off, ln, raw, 0, flags])
             r = runs[-1] if runs else None
             if r is not None and r[0] is t and r[1] + r[3] == so and r[2] + r[3] == off - start:
                 r[3] += ln
@@ -175,7 +260,7 @@ class ChunkWriter:
             host[ho:ho + ln].zero_()
         for t, so, ho, ln in runs:
             host[ho:ho + ln].copy_(t[so:so + ln], non_blocking=True)
-        torch.cuda.current_stream(comp.device if comp.numel() else stream.device).synchronize()
+        torch.cuda.current_stream().synchronize()
         self._q.put((slot, host, start, first_row, len(self.rows)))
 
     def _run(self) -> None:
@@ -254,11 +339,20 @@ class Job:
 
 def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                 progress: Callable[[int], None] | None = None) -> None:
-    """Decode storages with reading, checksumming and host-to-device copies of the next batch
-    overlapped with decoding the current one (a reader thread, three pooled buffers)."""
-    work_items = [(job, i, j, a, b) for job in jobs
-                  for i, j, a, b in batches(job.rows, job.out.numel(), job.tf, window)]
-    if not work_items:
+    """Decode storages. Batches of whole blocks are grouped up to ``window`` bytes (many small
+    storages per read and per codec call); a reader thread reads and checksums the next group
+    into one of three pooled buffers while the current one is decoded."""
+    items = [(job, i, j, a, b) for job in jobs for i, j, a, b in batches(job.rows, job.out.numel(), job.tf, window)]
+    grouped: list[list] = []
+    size = 0
+    for it in items:
+        if grouped and size + (it[4] - it[3]) <= window and it[0].codec.device == grouped[-1][0][0].codec.device:
+            grouped[-1].append(it)
+            size += it[4] - it[3]
+        else:
+            grouped.append([it])
+            size = it[4] - it[3]
+    if not grouped:
         return
     gpu = any(job.codec.device == "cuda" for job in jobs)
     q: queue.Queue = queue.Queue(maxsize=2)
@@ -269,32 +363,31 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
 
     def reader() -> None:
         try:
-            for job, i, j, a, b in work_items:
+            for grp in grouped:
                 if stop.is_set():
                     return
                 slot = free.get()
-                host, soffs = read_stored(fd, job.rows[i:j], f"read{slot}" if gpu else None)
-                q.put((slot, host, soffs, None))
+                rows = np.concatenate([job.rows[i:j] for job, i, j, _a, _b in grp])
+                host, soffs = read_stored(fd, rows, f"read{slot}" if gpu else None)
+                q.put((slot, host, soffs, rows, None))
         except BaseException as e:  # re-raised by the consumer
-            q.put((None, None, None, e))
+            q.put((None, None, None, None, e))
 
     t = threading.Thread(target=reader, name="ckptzip-reader", daemon=True)
     t.start()
     try:
-        for job, i, j, a, b in work_items:
-            slot, host, soffs, err = q.get()
+        for grp in grouped:
+            slot, host, soffs, rows, err = q.get()
             if err is not None:
                 raise err
-            work = job.codec.device
+            work = grp[0][0].codec.device
             src = host.to(work, non_blocking=True) if work != "cpu" else host
-            batch = job.rows[i:j]
-            decode_chunks(src, soffs, batch["stored"].tolist(), batch["raw"].tolist(),
-                          batch["flags"].tolist(), job.tf, job.codec, job.out[a:b], work)
+            decode_group(src, soffs, rows, grp, work)
             if work == "cuda":
                 torch.cuda.current_stream().synchronize()  # the pinned slot may be refilled now
             free.put(slot)
             if progress:
-                progress(b - a)
+                progress(sum(b - a for _j, _i, _jj, a, b in grp))
     finally:
         stop.set()
         while t.is_alive():  # unblock a reader waiting for a slot or for queue room
@@ -304,6 +397,54 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
             except queue.Empty:
                 pass
             t.join(timeout=0.01)
+
+
+def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: list, work: str) -> None:
+    """Decode a group of batches (``rows`` concatenated in group order, already verified): raw
+    chunk runs are copied, codec chunks go to one call per codec, transforms are undone per batch."""
+    stored, raws, flags = rows["stored"].tolist(), rows["raw"].tolist(), rows["flags"].tolist()
+    total = int(sum(raws))
+    direct = len(grp) == 1 and grp[0][0].tf is None and grp[0][0].out.device.type == work
+    stream = grp[0][0].out[grp[0][3]:grp[0][4]] if direct else torch.empty(total, dtype=torch.uint8, device=work)
+    roffs = np.concatenate([[0], np.cumsum(raws)[:-1]]).astype(np.int64).tolist() if raws else []
+    owner = []
+    for gi, (job, i, j, _a, _b) in enumerate(grp):
+        owner += [gi] * (j - i)
+    k, n = 0, len(raws)
+    while k < n:
+        if flags[k] != FLAG_STORED_RAW:
+            k += 1
+            continue
+        j = k + 1
+        while j < n and flags[j] == FLAG_STORED_RAW and soffs[j] == soffs[j - 1] + stored[j - 1]:
+            j += 1
+        ln = roffs[j - 1] + raws[j - 1] - roffs[k]
+        stream[roffs[k]:roffs[k] + ln].copy_(src[soffs[k]:soffs[k] + ln])
+        k = j
+    by_codec: dict[tuple, tuple[Codec, list[int]]] = {}
+    for k in range(n):
+        if flags[k] != FLAG_STORED_RAW:
+            c = grp[owner[k]][0].codec
+            by_codec.setdefault(_codec_key(c), (c, []))[1].append(k)
+    for codec, ks in by_codec.values():
+        codec.decode(src, [soffs[k] for k in ks], [stored[k] for k in ks],
+                     stream, [roffs[k] for k in ks], [raws[k] for k in ks])
+    if direct:
+        return
+    pos = 0
+    for job, i, j, a, b in grp:
+        part = stream[pos:pos + (b - a)]
+        dst = job.out[a:b]
+        if job.tf is not None:
+            if dst.device.type == work:
+                job.tf.decode(part, dst)
+            else:
+                tmp = torch.empty_like(part)
+                job.tf.decode(part, tmp)
+                dst.copy_(tmp)
+        else:
+            dst.copy_(part)
+        pos += b - a
 
 
 def decode_storage(fd: int, rows: np.ndarray, nbytes: int, tf: BytePlane | None, codec: Codec,

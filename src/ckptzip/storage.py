@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -39,6 +40,13 @@ def atomic_write(path: str | os.PathLike, fsync: bool = True) -> Iterator[Binary
             yield f
             if fsync:
                 os.fsync(f.fileno())
+        # keep the replaced file linked until after the rename, so that freeing its blocks
+        # (slow for multi-GB files) happens in the background instead of inside the rename
+        old = tmp + ".old"
+        try:
+            os.link(path, old)
+        except OSError:
+            old = None
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -46,6 +54,13 @@ def atomic_write(path: str | os.PathLike, fsync: bool = True) -> Iterator[Binary
         raise
     if fsync:
         _fsync_dir(directory)
+    if old:
+        threading.Thread(target=_unlink_quietly, args=(old,), name="ckptzip-unlink").start()
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def pread_into(fd: int, buf: memoryview, offset: int) -> None:

@@ -73,11 +73,12 @@ class BytePlane:
         """Bytes of the original storage covered by one block."""
         return self.block * self.width
 
-    def encode(self, src: torch.Tensor) -> torch.Tensor:
-        """A new uint8 tensor (same device) holding the planes; ``src`` is never modified."""
+    def encode(self, src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The planes, in ``out`` or a new uint8 tensor on ``src``'s device; ``src`` is never
+        modified."""
         w, b = self.width, self.block
         if src.is_cuda and _triton() is not None:
-            return _triton().encode(src, w, b)
+            return _triton().encode(src, w, b, out)
         n = src.numel() // w
         bits = 8 * w
         v = src.view(_INT[w])
@@ -86,7 +87,7 @@ class BytePlane:
         rot |= sign.bitwise_and_(1)
         del sign
         rb = rot.view(torch.uint8).view(n, w)
-        out = torch.empty_like(src)
+        out = torch.empty_like(src) if out is None else out
         full = n // b * b
         if full:
             nb = full // b
