@@ -11,7 +11,7 @@ import torch
 from . import __version__
 from .codecs.base import MAX_CHUNK, Codec, get_codec
 from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, ChunkWriter, Job, decode_jobs, encode_group,
-                     gpu_window, groups, storage_plan_from_manifest, units_of)
+                     gpu_decode_window, gpu_window, groups, storage_plan_from_manifest, units_of)
 from .planner import Planner, gpu_ok, plan_storages
 from .errors import CkptzipError, CorruptFileError, TensorNotFoundError, UnknownCodecError
 from .format import (FOOTER_SIZE, HEADER_SIZE, check_header, pack_footer, pack_header,
@@ -193,7 +193,7 @@ class CheckpointReader:
         total = self._total_bytes()
         prog = (lambda n: self.progress(n, total)) if self.progress else None
         gpu = any(j.codec.device == "cuda" for j in jobs.values())
-        decode_jobs(self._fd, list(jobs.values()), gpu_window() if gpu else DEFAULT_WINDOW, prog)
+        decode_jobs(self._fd, list(jobs.values()), gpu_decode_window() if gpu else DEFAULT_WINDOW, prog)
         self._cache.update({i: j.out for i, j in jobs.items()})
 
     def _storage(self, node: dict[str, Any]) -> torch.Tensor:

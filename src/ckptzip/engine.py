@@ -35,6 +35,12 @@ class Plan:
     plane_chunks: dict = None  # plane index -> chunk size, where it differs from chunk_size
 
 
+def gpu_decode_window(budget: int | None = None) -> int:
+    """Window bytes for GPU decoding: the compressed group and its decoded planes (the destination
+    tensors are the result, not scratch) stay under ``budget`` (see :func:`gpu_window`)."""
+    return gpu_window(budget) * 2
+
+
 def gpu_window(budget: int | None = None) -> int:
     """Window bytes for GPU work: peak extra memory is under 6 windows (staged input, planes,
     compressed output at nvCOMP's worst-case size, transform temporaries), kept under ``budget``

@@ -29,8 +29,9 @@ RAW_PLANE_RATIO = 0.985
 #: sample bytes per storage for these choices; storages under MIN_SAMPLED are not sampled
 SAMPLE = 4 << 20
 MIN_SAMPLED = 1 << 20
-#: chunk size tried for the exponent plane (locally varying exponents, as in Adam's v, favour it)
-EXP_CHUNK = 128 << 10
+#: chunk sizes tried for the exponent plane (locally varying exponents, as in Adam's v, favour
+#: small chunks; trained weights favour large ones)
+EXP_CHUNKS = (64 << 10, 128 << 10)
 #: ANS encoder option for byte planes: fewer sub-chunks per chunk, less per-chunk overhead
 #: (measured on Adam v's exponent plane: 0.316 at 128 KiB vs 0.321 with nvCOMP's default of 8)
 ANS_PLANES = {"max_sub_chunk_count": 4}
@@ -97,8 +98,11 @@ class Planner:
             return plan, {}
         top = tf.width - 1
         variants = {"planes": plan}
-        if c.wire_id == "ans" and chunk > EXP_CHUNK:
-            variants["exp"] = Plan(tf, c, chunk, raw_planes=frozenset(range(top)), plane_chunks={top: EXP_CHUNK})
+        if c.wire_id == "ans":
+            for ec in EXP_CHUNKS:
+                if ec < chunk:
+                    variants[f"exp{ec}"] = Plan(tf, c, chunk, raw_planes=frozenset(range(top)),
+                                                plane_chunks={top: ec})
         word = _ANS_WORD.get(tf.width)
         if self.auto and c.wire_id == "ans" and word:
             variants["words"] = Plan(None, self.codec({"id": "ans", "data_type": word}), chunk)
@@ -135,9 +139,12 @@ class Planner:
         st = stored[(i, "planes")][: tf.width]
         plan.raw_planes = frozenset(p for p in range(tf.width) if st[p] > RAW_PLANE_RATIO * per_plane)
         top = tf.width - 1
-        if "exp" in var and top not in plan.raw_planes and stored[(i, "exp")][top] < st[top]:
-            plan.plane_chunks = {top: EXP_CHUNK}
-            st[top] = stored[(i, "exp")][top]
+        if top not in plan.raw_planes:
+            for ec in EXP_CHUNKS:
+                got = stored.get((i, f"exp{ec}"))
+                if got is not None and got[top] < st[top]:
+                    plan.plane_chunks = {top: ec}
+                    st[top] = got[top]
         planes_bytes = sum(min(x, per_plane) for x in st)
         if "words" not in var:
             return plan

@@ -63,8 +63,28 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
 
 
+_READ_POOL = None
+_PARALLEL_PIECE = 16 << 20
+
+
 def pread_into(fd: int, buf: memoryview, offset: int) -> None:
-    """Fill ``buf`` from ``offset`` of ``fd`` or raise TruncatedFileError."""
+    """Fill ``buf`` from ``offset`` of ``fd`` or raise TruncatedFileError. Large reads are split
+    into 16 MiB pieces read by four threads (NVMe drives want several requests in flight)."""
+    n = len(buf)
+    if n >= 4 * _PARALLEL_PIECE:
+        global _READ_POOL
+        if _READ_POOL is None:
+            from concurrent.futures import ThreadPoolExecutor
+            _READ_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckptzip-read")
+        futs = [_READ_POOL.submit(_pread_all, fd, buf[a:a + _PARALLEL_PIECE], offset + a)
+                for a in range(0, n, _PARALLEL_PIECE)]
+        for f in futs:
+            f.result()
+        return
+    _pread_all(fd, buf, offset)
+
+
+def _pread_all(fd: int, buf: memoryview, offset: int) -> None:
     got = 0
     n = len(buf)
     while got < n:
