@@ -28,6 +28,7 @@ _ANS_WORD = {2: "<f2", 4: "<f4"}
 RAW_PLANE_RATIO = 0.985
 #: sample bytes per storage for these choices; storages under MIN_SAMPLED are not sampled
 SAMPLE = 4 << 20
+CPU_SAMPLE = 1 << 20  # CPU codecs are slow: sample less
 MIN_SAMPLED = 1 << 20
 #: chunk sizes tried for the exponent plane (locally varying exponents, as in Adam's v, favour
 #: small chunks; trained weights favour large ones)
@@ -116,9 +117,10 @@ class Planner:
             variants.append(v)
         # sample every variant of every storage, all in a few batched codec calls
         units: list[Unit] = []
+        self.sample = SAMPLE if self.dev == "cuda" else CPU_SAMPLE
         for i, (ref, var) in enumerate(zip(refs, variants)):
             for name, vp in var.items():
-                for u in units_of(i, ref.data, vp, window, SAMPLE):
+                for u in units_of(i, ref.data, vp, window, self.sample):
                     u.variant = name
                     units.append(u)
         stored: dict[tuple[int, str], list[int]] = {}
@@ -134,7 +136,7 @@ class Planner:
 
     def _decide(self, ref: StorageRef, plan: Plan, var: dict, stored: dict, i: int) -> Plan:
         tf = plan.transform
-        sample = min(ref.data.numel(), SAMPLE)
+        sample = min(ref.data.numel(), self.sample)
         per_plane = sample // tf.width
         st = stored[(i, "planes")][: tf.width]
         plan.raw_planes = frozenset(p for p in range(tf.width) if st[p] > RAW_PLANE_RATIO * per_plane)
