@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ from .planner import Planner, gpu_ok, plan_storages
 from .errors import CkptzipError, CorruptFileError, TensorNotFoundError, UnknownCodecError
 from .format import (FOOTER_SIZE, HEADER_SIZE, check_header, pack_footer, pack_header,
                      pack_manifest, parse_footer, parse_manifest)
-from .storage import atomic_write, pread_into
+from .storage import RemoteSource, is_url, local_path, open_for_write, pread_into
 from .transforms import BytePlane
 from .tree import Decoder, Encoder, StorageRef, tensor_paths
 
@@ -27,20 +28,19 @@ def _gpu_ok() -> bool:
     return gpu_ok()
 
 
-def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", transform: str | None = "auto",
-         chunk_size: int = DEFAULT_CHUNK, level: int | None = None, metadata: Mapping[str, str] | None = None,
-         allow_pickle: bool = False, fsync: bool = True, progress: Progress | None = None,
-         device: str | None = None, portable: bool = False, storage_gbps: float | None = None,
-         window: int | None = None) -> dict[str, Any]:
-    """Save ``obj`` (a state dict or any nesting of containers, tensors and plain values) to ``path``.
+@dataclass
+class _Prepared:
+    """A save, planned: the object tree, its storages, their plans and the grouped work units."""
+    root: Any
+    meta: dict
+    refs: list
+    plans: list
+    groups: list
+    total: int
 
-    ``codec``: ``"auto"``, a wire id (``"zstd"``, ``"raw"``, ``"deflate"``; GPU ids once available)
-    or a wire config dict. ``transform``: ``"auto"`` (byte planes for floats), ``"byteplane"`` or
-    ``None``. ``device``: ``"cpu"``, ``"cuda"`` or None (the GPU when nvCOMP is usable).
-    ``portable=True`` keeps to codecs any CPU decodes. ``storage_gbps`` (the write bandwidth you
-    expect) steers ``auto`` on the GPU. The write is atomic. Returns a summary
-    ``{"raw_bytes", "stored_bytes", "path"}``.
-    """
+
+def _prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
+             storage_gbps, window) -> _Prepared:
     if not isinstance(chunk_size, int) or not 64 <= chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk_size must be between 64 and {MAX_CHUNK} bytes")
     if transform not in ("auto", "byteplane", None):
@@ -55,25 +55,35 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
         window = gpu_window() if gpu else DEFAULT_WINDOW
     plans = plan_storages(enc.storages, window, codec=codec, transform=transform, chunk_size=chunk_size,
                           level=level, device=device, portable=portable, storage_gbps=storage_gbps)
-    total = sum(r.data.numel() for r in enc.storages)
     units = [u for i, (ref, plan) in enumerate(zip(enc.storages, plans))
              for u in units_of(i, ref.data, plan, window)]
-    counts = [0] * len(plans)
-    with atomic_write(path, fsync=fsync) as f:
+    return _Prepared(root, meta, enc.storages, plans, list(groups(units, window)),
+                     sum(r.data.numel() for r in enc.storages))
+
+
+def _write(prep: _Prepared, path, fsync: bool, progress: Progress | None, staged: list | None = None) -> dict:
+    """Encode (or take the ``staged`` snapshot of) every group and write the file atomically."""
+    counts = [0] * len(prep.plans)
+    with open_for_write(path, fsync=fsync) as f:
         f.write(pack_header())
         w = ChunkWriter(f, HEADER_SIZE)
         try:
-            for grp in groups(units, window):
-                pieces = encode_group(grp)
-                w.add([p for unit_pieces in pieces for p in unit_pieces])
-                for u, unit_pieces in zip(grp, pieces):
-                    counts[u.owner] += len(unit_pieces)
+            for gi, grp in enumerate(prep.groups):
+                if staged is not None and staged[gi] is not None:
+                    host, rel, per_unit = staged[gi]
+                    w.add_staged(host, rel)
+                else:
+                    pieces = encode_group(grp)
+                    w.add([p for unit_pieces in pieces for p in unit_pieces])
+                    per_unit = [len(p) for p in pieces]
+                for u, n in zip(grp, per_unit):
+                    counts[u.owner] += n
                 if progress:
-                    progress(sum(u.data.numel() for u in grp), total)
+                    progress(sum(u.data.numel() for u in grp), prep.total)
         finally:
             rows = w.finish()
         entries, first = [], 0
-        for ref, plan, count in zip(enc.storages, plans, counts):
+        for ref, plan, count in zip(prep.refs, prep.plans, counts):
             entries.append({
                 "nbytes": ref.data.numel(), "elem": ref.elem, "device": ref.device,
                 "transforms": [plan.transform.get_config()] if plan.transform else [],
@@ -84,12 +94,32 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
             first += count
         pos = w.pos
         doc = {"format": "ckz", "version": [1, 0], "created_by": f"ckptzip {__version__}",
-               "meta": meta, "n_chunks": len(rows), "storages": entries, "root": root}
+               "meta": prep.meta, "n_chunks": len(rows), "storages": entries, "root": prep.root}
         manifest = pack_manifest(doc, rows)
         f.write(manifest)
         f.write(pack_footer(pos, manifest))
         size = pos + len(manifest) + FOOTER_SIZE
-    return {"path": os.fspath(path), "raw_bytes": total, "stored_bytes": size}
+    return {"path": os.fspath(path), "raw_bytes": prep.total, "stored_bytes": size}
+
+
+def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", transform: str | None = "auto",
+         chunk_size: int = DEFAULT_CHUNK, level: int | None = None, metadata: Mapping[str, str] | None = None,
+         allow_pickle: bool = False, fsync: bool = True, progress: Progress | None = None,
+         device: str | None = None, portable: bool = False, storage_gbps: float | None = None,
+         window: int | None = None) -> dict[str, Any]:
+    """Save ``obj`` (a state dict or any nesting of containers, tensors and plain values) to
+    ``path`` (a local path, or an fsspec URL such as ``s3://bucket/key.ckz``).
+
+    ``codec``: ``"auto"``, a wire id (``"zstd"``, ``"deflate"``, ``"raw"``, or GPU-only ``"ans"``,
+    ``"bitcomp"``, ...) or a wire config dict. ``transform``: ``"auto"`` (byte planes for floats),
+    ``"byteplane"`` or ``None``. ``device``: ``"cpu"``, ``"cuda"`` or None (the GPU when nvCOMP is
+    usable). ``portable=True`` keeps to codecs any CPU decodes. ``storage_gbps`` (the write
+    bandwidth you expect) steers ``auto`` on the GPU. The write is atomic. Returns a summary
+    ``{"raw_bytes", "stored_bytes", "path"}``.
+    """
+    prep = _prepare(obj, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
+                    storage_gbps, window)
+    return _write(prep, path, fsync, progress)
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
@@ -122,16 +152,17 @@ class CheckpointReader:
         self.map_location = map_location
         self.allow_pickle = allow_pickle
         self.progress = progress
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._remote = is_url(self.path)
+        self._fd = RemoteSource(self.path) if self._remote else os.open(local_path(self.path), os.O_RDONLY)
         try:
             self._open()
         except BaseException:
-            os.close(self._fd)
+            self._fd.close() if self._remote else os.close(self._fd)
             raise
         self._cache: dict[int, torch.Tensor] = {}
 
     def _open(self) -> None:
-        size = os.fstat(self._fd).st_size
+        size = self._fd.size if self._remote else os.fstat(self._fd).st_size
         head = bytearray(min(size, HEADER_SIZE))
         if head:
             pread_into(self._fd, memoryview(head), 0)
@@ -247,9 +278,13 @@ class CheckpointReader:
             self._cache.pop(i, None)
 
     def close(self) -> None:
-        if self._fd >= 0:
+        if self._fd is None:
+            return
+        if self._remote:
+            self._fd.close()
+        else:
             os.close(self._fd)
-            self._fd = -1
+        self._fd = None
 
     def __enter__(self) -> "CheckpointReader":
         return self

@@ -205,6 +205,32 @@ def encode_group(units: list[Unit]) -> list[list[tuple]]:
 ALIGN = 16  # every chunk starts at a 16-byte aligned file offset (nvCOMP's strictest alignment)
 
 
+def stage_pieces(pieces: list[tuple], alloc: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, list[list]]:
+    """Copy GPU chunk pieces into one host buffer from ``alloc(n)`` at 16-byte aligned offsets
+    (runs of adjacent chunks in one copy) and wait for the copies. Returns the buffer and rows
+    [relative offset, stored, raw, 0, flags]."""
+    rel, runs, pads, pos = [], [], [], 0
+    for t, so, ln, raw, flags in pieces:
+        pad = (-pos) % ALIGN
+        if pad:
+            pads.append((pos, pad))
+        off = pos + pad
+        pos = off + ln
+        rel.append([off, ln, raw, 0, flags])
+        r = runs[-1] if runs else None
+        if r is not None and r[0] is t and r[1] + r[3] == so and r[2] + r[3] == off:
+            r[3] += ln
+        else:
+            runs.append([t, so, off, ln])
+    host = alloc(pos)
+    for ho, ln in pads:
+        host[ho:ho + ln].zero_()
+    for t, so, ho, ln in runs:
+        host[ho:ho + ln].copy_(t[so:so + ln], non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    return host, rel
+
+
 class ChunkWriter:
     """Appends chunks at 16-byte aligned offsets (zero padding between) and records their table
     rows. GPU windows are copied once into pooled pinned buffers and handed to a background thread
@@ -229,7 +255,7 @@ class ChunkWriter:
         chunks in one copy) to the writer thread."""
         if not pieces:
             return
-        if pieces[0][0].device.type != "cuda":
+        if pieces[0][0].device.type != "cuda" and self._q is None:
             for t, so, ln, raw, flags in pieces:
                 pad, off = self._place(ln)
                 if pad:
@@ -239,35 +265,34 @@ class ChunkWriter:
                 self.rows.append([off, ln, raw, checksum(mv), flags])
             return
         self._check()
+        self._start_thread()
+        slot = self._free.get()
+        self._check()
+        host, rel = stage_pieces(pieces, lambda n: PINNED.get(f"write{slot}", n))
+        self._enqueue(slot, host, rel)
+
+    def add_staged(self, host: torch.Tensor, rel: list[list]) -> None:
+        """Append a group staged earlier by :func:`stage_pieces` (its buffer is not recycled)."""
+        self._check()
+        self._start_thread()
+        self._enqueue(None, host, rel)
+
+    def _start_thread(self) -> None:
         if self._q is None:
             self._q = queue.Queue(maxsize=1)
             for slot in range(2):
                 self._free.put(slot)
             self._thread = threading.Thread(target=self._run, name="ckptzip-writer", daemon=True)
             self._thread.start()
-        start = self.pos
-        first_row = len(self.rows)
-        runs: list[list] = []  # [tensor, src offset, host offset, bytes]
-        pads: list[tuple[int, int]] = []
-        for t, so, ln, raw, flags in pieces:
-            pad, off = self._place(ln)
-            if pad:
-                pads.append((off - pad - start, pad))
-            self.rows.append([off, ln, raw, 0, flags])
-            r = runs[-1] if runs else None
-            if r is not None and r[0] is t and r[1] + r[3] == so and r[2] + r[3] == off - start:
-                r[3] += ln
-            else:
-                runs.append([t, so, off - start, ln])
-        slot = self._free.get()
-        self._check()
-        host = PINNED.get(f"write{slot}", self.pos - start)
-        for ho, ln in pads:
-            host[ho:ho + ln].zero_()
-        for t, so, ho, ln in runs:
-            host[ho:ho + ln].copy_(t[so:so + ln], non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-        self._q.put((slot, host, start, first_row, len(self.rows)))
+
+    def _enqueue(self, slot, host: torch.Tensor, rel: list[list]) -> None:
+        pad, start = self._place(0)
+        if pad:
+            self._q.put((None, torch.zeros(pad, dtype=torch.uint8), start - pad, len(self.rows), len(self.rows)))
+        first = len(self.rows)
+        self.rows.extend([start + r[0], r[1], r[2], 0, r[4]] for r in rel)
+        self.pos = start + host.numel()
+        self._q.put((slot, host, start, first, len(self.rows)))
 
     def _run(self) -> None:
         while True:
@@ -284,7 +309,8 @@ class ChunkWriter:
             except BaseException as e:  # surfaced in the main thread
                 self._err = e
             finally:
-                self._free.put(slot)
+                if slot is not None:
+                    self._free.put(slot)
 
     def _check(self) -> None:
         if self._err is not None:

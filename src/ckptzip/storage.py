@@ -67,9 +67,12 @@ _READ_POOL = None
 _PARALLEL_PIECE = 16 << 20
 
 
-def pread_into(fd: int, buf: memoryview, offset: int) -> None:
-    """Fill ``buf`` from ``offset`` of ``fd`` or raise TruncatedFileError. Large reads are split
-    into 16 MiB pieces read by four threads (NVMe drives want several requests in flight)."""
+def pread_into(fd, buf: memoryview, offset: int) -> None:
+    """Fill ``buf`` from ``offset`` of ``fd`` (an OS file descriptor or a :class:`RemoteSource`)
+    or raise TruncatedFileError. Large local reads are split into 16 MiB pieces read by four
+    threads (NVMe drives want several requests in flight)."""
+    if not isinstance(fd, int):
+        return fd.pread_into(buf, offset)
     n = len(buf)
     if n >= 4 * _PARALLEL_PIECE:
         global _READ_POOL
@@ -92,3 +95,63 @@ def _pread_all(fd: int, buf: memoryview, offset: int) -> None:
         if k <= 0:
             raise TruncatedFileError(f"file ends inside a declared range at offset {offset + got}")
         got += k
+
+
+def is_url(path) -> bool:
+    """True for fsspec URLs (s3://, gs://, memory://, ...); local paths and file:// are local."""
+    p = os.fspath(path)
+    return "://" in p and not p.startswith("file://")
+
+
+def local_path(path) -> str:
+    p = os.fspath(path)
+    return p[len("file://"):] if p.startswith("file://") else p
+
+
+class RemoteSource:
+    """Positional reads over an fsspec file (serialised: fsspec files are not thread-safe)."""
+
+    def __init__(self, url: str) -> None:
+        import fsspec
+        self.fs, self.path = fsspec.core.url_to_fs(url)
+        self.f = self.fs.open(self.path, "rb")
+        self.size = self.fs.size(self.path)
+        self._lock = threading.Lock()
+
+    def pread_into(self, buf: memoryview, offset: int) -> None:
+        with self._lock:
+            self.f.seek(offset)
+            got = 0
+            while got < len(buf):
+                k = self.f.readinto(buf[got:])
+                if not k:
+                    raise TruncatedFileError(f"object ends inside a declared range at offset {offset + got}")
+                got += k
+
+    def close(self) -> None:
+        self.f.close()
+
+
+@contextlib.contextmanager
+def open_for_write(path, fsync: bool = True) -> Iterator[BinaryIO]:
+    """A file to write a checkpoint to: for local paths an :func:`atomic_write`; for fsspec URLs
+    the object itself, which object stores make visible only when the upload completes (multipart
+    for large objects) and which is discarded, not committed, if writing fails."""
+    if not is_url(path):
+        with atomic_write(local_path(path), fsync=fsync) as f:
+            yield f
+        return
+    import fsspec
+    fs, p = fsspec.core.url_to_fs(os.fspath(path))
+    f = fs.open(p, "wb")
+    try:
+        yield f
+    except BaseException:
+        discard = getattr(f, "discard", None)
+        with contextlib.suppress(Exception):
+            discard() if discard else f.close()
+        with contextlib.suppress(Exception):
+            if discard is None and fs.exists(p):
+                fs.rm(p)
+        raise
+    f.close()
