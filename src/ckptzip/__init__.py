@@ -6,9 +6,11 @@ from .errors import (ChecksumError, CkptzipError, CodecError, CorruptFileError, 
                      TruncatedFileError, UnknownCodecError, UnsupportedObjectError,
                      UnsupportedVersionError)
 from .api import CheckpointReader, load, open, save  # noqa: E402,A004
+from .asyncsave import SaveHandle, async_save  # noqa: E402
+from .manager import CheckpointManager  # noqa: E402
 
 __all__ = [
-    "save", "load", "open", "CheckpointReader",
+    "save", "load", "open", "CheckpointReader", "async_save", "SaveHandle", "CheckpointManager",
     "CkptzipError", "CorruptFileError", "TruncatedFileError", "ChecksumError",
     "UnsupportedVersionError", "UnknownCodecError", "CodecError", "GPURequiredError",
     "PickleNotAllowedError", "UnsupportedObjectError", "TensorNotFoundError",

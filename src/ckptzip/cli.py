@@ -158,6 +158,25 @@ def cmd_cost(a) -> int:
     return 0
 
 
+def cmd_ls(a) -> int:
+    from .manager import CheckpointManager
+    m = CheckpointManager(a.directory, keep_last=None, create=False)
+    steps = m.steps()
+    if a.json:
+        print(json.dumps({"directory": a.directory, "steps": steps, "latest": m.latest()}))
+        return 0
+    t = Table(title=f"committed checkpoints in {a.directory}")
+    for c in ("step", "file", "bytes"):
+        t.add_column(c, justify="right" if c != "file" else "left")
+    for s in steps:
+        p = m.path(s)
+        t.add_row(str(s), os.path.basename(p), f"{m.fs.size(m._join(os.path.basename(p))):,}")
+    console.print(t)
+    if not steps:
+        console.print("no committed checkpoint")
+    return 0
+
+
 def cmd_demo(a) -> int:
     from .demo import run_demo
     run_demo(seconds=a.seconds, device=a.device, out_dir=a.out)
@@ -210,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--from", dest="from_file", help="take the ratio measured on this .ckz file")
     k.add_argument("--json", action="store_true")
     k.set_defaults(fn=cmd_cost)
+    ls = sub.add_parser("ls", help="committed checkpoints of a CheckpointManager directory")
+    ls.add_argument("directory")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(fn=cmd_ls)
     m = sub.add_parser("demo", help="train a tiny model, save with torch.save and ckptzip, compare")
     m.add_argument("--seconds", type=float, default=8.0)
     m.add_argument("--device", default=None)

@@ -149,7 +149,11 @@ def open_for_write(path, fsync: bool = True) -> Iterator[BinaryIO]:
     except BaseException:
         discard = getattr(f, "discard", None)
         with contextlib.suppress(Exception):
-            discard() if discard else f.close()
+            if discard:
+                discard()  # abort the upload (no object appears)
+                f.closed = True  # and keep the file object from completing it when collected
+            else:
+                f.close()
         with contextlib.suppress(Exception):
             if discard is None and fs.exists(p):
                 fs.rm(p)
