@@ -1,0 +1,161 @@
+"""Training-step stall per checkpoint on the GPU benchmark model (issue: training-loop
+integration): ckptzip async_save vs torch.save vs DCP async_save, same state and disk; staging
+memory over 100 async saves; bit-exact resume of the next 50 steps.
+
+    PYTHONPATH=src python bench/stall_bench.py --out DIR
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ckptzip  # noqa: E402
+from ckptzip import asyncsave  # noqa: E402
+from gpt import checkpoint, train  # noqa: E402
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    r = fn()
+    torch.cuda.synchronize()
+    return r, time.perf_counter() - t
+
+
+def fsync_file(p):
+    fd = os.open(p, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def stalls(state, d, reps=5):
+    res = {}
+
+    def torch_save(i):
+        p = f"{d}/t{i}.pt"
+        with open(p, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    res["torch.save (blocking)"] = [timed(lambda i=i: torch_save(i))[1] for i in range(reps)]
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{d}/pg", rank=0, world_size=1)
+    flat = {}
+    for k, v in state["model"].items():
+        flat[f"model.{k}"] = v
+    for k, v in state["model_bf16"].items():
+        flat[f"bf16.{k}"] = v
+    for pid, s in state["optimizer"]["state"].items():
+        for k, v in s.items():
+            flat[f"opt.{pid}.{k}"] = v
+    out, fut = [], None
+    for i in range(reps):
+        if fut is not None:
+            fut.result()
+        f, t = timed(lambda i=i: dcp.async_save(flat, checkpoint_id=f"{d}/dcp{i}"))
+        fut = f
+        out.append(t)
+    fut.result()
+    res["DCP async_save"] = out
+    out, h = [], None
+    for i in range(reps):
+        if h is not None:
+            h.wait()
+        h, t = timed(lambda i=i: ckptzip.async_save(state, f"{d}/c{i}.ckz"))
+        out.append(t)
+    h.wait()
+    res["ckptzip async_save"] = out
+    res["ckptzip async_save (reported stall_s)"] = [h.stall_s]
+    return {k: {"median_s": statistics.median(v), "all_s": v} for k, v in res.items()}
+
+
+def staging_over_saves(state, d, n=100):
+    caps, gpu_peak, rss = [], [], []
+    import resource
+    for i in range(n):
+        ckptzip.async_save(state, f"{d}/m.ckz", fsync=False).wait()
+        caps.append(asyncsave.ARENA.capacity)
+        gpu_peak.append(torch.cuda.max_memory_allocated())
+        rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return {"saves": n, "arena_bytes_after_1_2_10_100": [caps[0], caps[1], caps[9], caps[-1]],
+            "gpu_max_allocated_after_1_2_10_100": [gpu_peak[0], gpu_peak[1], gpu_peak[9], gpu_peak[-1]],
+            "max_rss_after_1_2_10_100": [rss[0], rss[1], rss[9], rss[-1]]}
+
+
+def resume_check(d, steps=100, at=50):
+    """Train `steps` steps saving at `at`; reload that checkpoint into a fresh model and optimizer
+    and train the remaining steps again: the losses must match bit for bit."""
+    import math
+    import torch.nn.functional as F
+    from gpt import GPT, corpus
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    text = corpus().cuda()
+
+    def run(model, opt, g, start, end, save_at=None):
+        losses = []
+        for step in range(start, end):
+            ix = torch.randint(0, text.numel() - 513, (8,), generator=g).cuda()
+            seq = text[ix[:, None] + torch.arange(513, device="cuda")].long()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(seq[:, :-1]).float().reshape(-1, 256), seq[:, 1:].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            if step == save_at:
+                ckptzip.async_save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                                    "gen": g.get_state(), "cuda_rng": torch.cuda.get_rng_state()},
+                                   f"{d}/resume.ckz").wait()
+        return losses
+
+    torch.manual_seed(0)
+    model = GPT().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    g = torch.Generator().manual_seed(1)
+    full = run(model, opt, g, 0, steps, save_at=at - 1)
+    s = ckptzip.load(f"{d}/resume.ckz", map_location="cuda")
+    model2 = GPT().cuda()
+    model2.load_state_dict(s["model"])
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=3e-4)
+    opt2.load_state_dict(s["optimizer"])
+    g2 = torch.Generator()
+    g2.set_state(s["gen"])
+    torch.cuda.set_rng_state(s["cuda_rng"])
+    again = run(model2, opt2, g2, at, steps)
+    same = [a == b for a, b in zip(full[at:], again)]
+    return {"resumed_at": at, "compared_steps": len(again), "bit_exact_steps": sum(same),
+            "first_losses": [full[at], again[0]], "all_equal": all(same) and len(again) == steps - at}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--disk", default="/tmp/ckstall")
+    ap.add_argument("--saves", type=int, default=100)
+    a = ap.parse_args()
+    os.makedirs(a.disk, exist_ok=True)
+    model, opt, _ = train(a.steps)
+    state = checkpoint(model, opt)
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    res["stall"] = stalls(state, a.disk)
+    print(json.dumps(res["stall"], indent=1), flush=True)
+    res["staging"] = staging_over_saves(state, a.disk, a.saves)
+    print(json.dumps(res["staging"]), flush=True)
+    del model, opt, state
+    res["resume"] = resume_check(a.disk)
+    print(json.dumps(res["resume"]), flush=True)
+    with open(os.path.join(a.out, "stall.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
