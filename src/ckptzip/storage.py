@@ -65,6 +65,7 @@ def _unlink_quietly(path: str) -> None:
 
 _READ_POOL = None
 _PARALLEL_PIECE = 16 << 20
+_READ_THREADS = int(os.environ.get("CKPTZIP_READ_THREADS", "4"))
 
 
 def pread_into(fd, buf: memoryview, offset: int) -> None:
@@ -74,11 +75,11 @@ def pread_into(fd, buf: memoryview, offset: int) -> None:
     if not isinstance(fd, int):
         return fd.pread_into(buf, offset)
     n = len(buf)
-    if n >= 4 * _PARALLEL_PIECE:
+    if n >= 4 * _PARALLEL_PIECE and _READ_THREADS > 1:
         global _READ_POOL
         if _READ_POOL is None:
             from concurrent.futures import ThreadPoolExecutor
-            _READ_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckptzip-read")
+            _READ_POOL = ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="ckptzip-read")
         futs = [_READ_POOL.submit(_pread_all, fd, buf[a:a + _PARALLEL_PIECE], offset + a)
                 for a in range(0, n, _PARALLEL_PIECE)]
         for f in futs:
