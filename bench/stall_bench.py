@@ -127,8 +127,8 @@ def resume_check(d, steps=100, at=50):
     opt2 = torch.optim.AdamW(model2.parameters(), lr=3e-4)
     opt2.load_state_dict(s["optimizer"])
     g2 = torch.Generator()
-    g2.set_state(s["gen"])
-    torch.cuda.set_rng_state(s["cuda_rng"])
+    g2.set_state(s["gen"].cpu())
+    torch.cuda.set_rng_state(s["cuda_rng"].cpu())
     again = run(model2, opt2, g2, at, steps)
     same = [a == b for a, b in zip(full[at:], again)]
     return {"resumed_at": at, "compared_steps": len(again), "bit_exact_steps": sum(same),
@@ -146,10 +146,11 @@ def main():
     model, opt, _ = train(a.steps)
     state = checkpoint(model, opt)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    res["stall"] = stalls(state, a.disk)
-    print(json.dumps(res["stall"], indent=1), flush=True)
-    res["staging"] = staging_over_saves(state, a.disk, a.saves)
-    print(json.dumps(res["staging"]), flush=True)
+    if a.saves:
+        res["stall"] = stalls(state, a.disk)
+        print(json.dumps(res["stall"], indent=1), flush=True)
+        res["staging"] = staging_over_saves(state, a.disk, a.saves)
+        print(json.dumps(res["staging"]), flush=True)
     del model, opt, state
     res["resume"] = resume_check(a.disk)
     print(json.dumps(res["resume"]), flush=True)
