@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -86,18 +87,37 @@ class SaveHandle:
 def _snapshot(prep) -> list:
     """Make the prepared save independent of the caller's tensors; returns per group either
     (host, rows, chunks per unit) for GPU-compressed groups or None (raw bytes copied, encoded
-    later)."""
+    later). GPU groups are copied to the host on a side stream while the next group compresses;
+    at most two groups' compressed buffers are in flight."""
     ARENA.reset()
     staged = []
+    inflight: deque = deque()
+    copy_stream = None
     for grp in prep.groups:
         if grp[0].plan.codec.device == "cuda":
+            while len(inflight) >= 2:
+                inflight.popleft().synchronize()
             pieces = encode_group(grp)
-            host, rel = stage_pieces([p for up in pieces for p in up], ARENA.take)
+            flat = [p for up in pieces for p in up]
+            if copy_stream is None:
+                copy_stream = torch.cuda.Stream()
+            ready = torch.cuda.Event()
+            ready.record()
+            with torch.cuda.stream(copy_stream):
+                copy_stream.wait_event(ready)
+                host, rel = stage_pieces(flat, ARENA.take, sync=False)
+                for t in {id(p[0]): p[0] for p in flat}.values():
+                    t.record_stream(copy_stream)  # keep the allocator from reusing it too early
+                done = torch.cuda.Event()
+                done.record(copy_stream)
+            inflight.append(done)
             staged.append((host, rel, [len(up) for up in pieces]))
         else:
             for u in grp:
                 u.data = ARENA.take(u.data.numel()).copy_(u.data)
             staged.append(None)
+    for ev in inflight:
+        ev.synchronize()
     return staged
 
 

@@ -205,10 +205,11 @@ def encode_group(units: list[Unit]) -> list[list[tuple]]:
 ALIGN = 16  # every chunk starts at a 16-byte aligned file offset (nvCOMP's strictest alignment)
 
 
-def stage_pieces(pieces: list[tuple], alloc: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, list[list]]:
+def stage_pieces(pieces: list[tuple], alloc: Callable[[int], torch.Tensor], sync: bool = True
+                 ) -> tuple[torch.Tensor, list[list]]:
     """Copy GPU chunk pieces into one host buffer from ``alloc(n)`` at 16-byte aligned offsets
-    (runs of adjacent chunks in one copy) and wait for the copies. Returns the buffer and rows
-    [relative offset, stored, raw, 0, flags]."""
+    (runs of adjacent chunks in one copy, on the current stream) and, with ``sync``, wait for the
+    copies. Returns the buffer and rows [relative offset, stored, raw, 0, flags]."""
     rel, runs, pads, pos = [], [], [], 0
     for t, so, ln, raw, flags in pieces:
         pad = (-pos) % ALIGN
@@ -227,7 +228,8 @@ def stage_pieces(pieces: list[tuple], alloc: Callable[[int], torch.Tensor]) -> t
         host[ho:ho + ln].zero_()
     for t, so, ho, ln in runs:
         host[ho:ho + ln].copy_(t[so:so + ln], non_blocking=True)
-    torch.cuda.current_stream().synchronize()
+    if sync:
+        torch.cuda.current_stream().synchronize()
     return host, rel
 
 

@@ -10,6 +10,7 @@ batched codec calls.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -38,6 +39,9 @@ MIN_GAIN = {128 << 10: 0.0, 64 << 10: 0.004}
 #: ANS encoder option for byte planes: fewer sub-chunks per chunk, less per-chunk overhead
 #: (measured on Adam v's exponent plane: 0.316 at 128 KiB vs 0.321 with nvCOMP's default of 8)
 ANS_PLANES = {"max_sub_chunk_count": 4}
+
+
+_PLAN_CACHE: "OrderedDict[tuple, list[Plan]]" = OrderedDict()
 
 
 def gpu_ok() -> bool:
@@ -112,6 +116,23 @@ class Planner:
         return plan, variants
 
     def plan_all(self, refs: list[StorageRef], window: int) -> list[Plan]:
+        """Plans for every storage. The sampled decisions are remembered for the same checkpoint
+        layout and options (a training loop saves the same structure again and again), so only
+        the first save of a run pays for sampling."""
+        key = (repr(sorted(self.cfg.items())), self.transform, self.chunk_size, self.level, self.dev,
+               self.portable, self.slow_storage, window,
+               tuple((r.data.numel(), r.elem, r.float_width) for r in refs))
+        cached = _PLAN_CACHE.get(key)
+        if cached is not None:
+            _PLAN_CACHE.move_to_end(key)
+            return cached
+        plans = self._plan_all(refs, window)
+        _PLAN_CACHE[key] = plans
+        while len(_PLAN_CACHE) > 8:
+            _PLAN_CACHE.popitem(last=False)
+        return plans
+
+    def _plan_all(self, refs: list[StorageRef], window: int) -> list[Plan]:
         plans, variants = [], []
         for ref in refs:
             p, v = self.base_plan(ref)
