@@ -85,9 +85,9 @@ def staging_over_saves(state, d, n=100):
         caps.append(asyncsave.ARENA.capacity)
         gpu_peak.append(torch.cuda.max_memory_allocated())
         rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    return {"saves": n, "arena_bytes_after_1_2_10_100": [caps[0], caps[1], caps[9], caps[-1]],
-            "gpu_max_allocated_after_1_2_10_100": [gpu_peak[0], gpu_peak[1], gpu_peak[9], gpu_peak[-1]],
-            "max_rss_after_1_2_10_100": [rss[0], rss[1], rss[9], rss[-1]]}
+    at = sorted({0, 1, min(9, n - 1), n - 1})
+    return {"saves": n, "after_saves": [i + 1 for i in at], "arena_bytes": [caps[i] for i in at],
+            "gpu_max_allocated": [gpu_peak[i] for i in at], "max_rss": [rss[i] for i in at]}
 
 
 def resume_check(d, steps=100, at=50):

@@ -34,8 +34,12 @@ class Arena:
     def capacity(self) -> int:
         return 0 if self._buf is None else self._buf.numel()
 
-    def reset(self) -> None:
+    def reset(self, reserve: int = 0) -> None:
+        """Start a new snapshot; make sure ``reserve`` bytes fit without growing mid-snapshot."""
         self._pos = 0
+        if reserve > self.capacity:
+            self._buf = None  # drop the old buffer before pinning the new one
+            self._buf = torch.empty(reserve, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
     def take(self, n: int) -> torch.Tensor:
         with self._lock:
@@ -89,7 +93,9 @@ def _snapshot(prep) -> list:
     (host, rows, chunks per unit) for GPU-compressed groups or None (raw bytes copied, encoded
     later). GPU groups are copied to the host on a side stream while the next group compresses;
     at most two groups' compressed buffers are in flight."""
-    ARENA.reset()
+    # upper bound: stored bytes never exceed raw bytes; plus alignment padding per chunk and group
+    bound = sum(u.data.numel() + 16 * len(u.sizes) for grp in prep.groups for u in grp) + 64 * len(prep.groups)
+    ARENA.reset(bound)
     staged = []
     inflight: deque = deque()
     copy_stream = None

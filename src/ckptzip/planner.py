@@ -31,6 +31,7 @@ RAW_PLANE_RATIO = 0.985
 SAMPLE = 4 << 20
 CPU_SAMPLE = 1 << 20  # CPU codecs are slow: sample less
 MIN_SAMPLED = 1 << 20
+MIN_TRANSFORMED = 64 << 10  # on the GPU, smaller float storages skip the byteplane transform
 #: chunk sizes tried for the exponent plane (locally varying exponents, as in Adam's v, favour
 #: small chunks; trained weights favour large ones). Smaller chunks cost nvCOMP throughput, so a
 #: smaller one is taken only when it saves at least MIN_GAIN of the whole storage.
@@ -93,7 +94,9 @@ class Planner:
             cfg = {"id": "ans", "data_type": "|u1"}
             local = ANS_PLANES
         c = self.codec(cfg, local)
-        want_tf = self.transform == "byteplane" or (self.transform == "auto" and c.wire_id != "raw")
+        # tiny storages (biases, norms) are not worth a transform launch of their own
+        want_tf = self.transform == "byteplane" or (
+            self.transform == "auto" and c.wire_id != "raw" and (self.dev == "cpu" or ref.data.numel() >= MIN_TRANSFORMED))
         tf = byteplane_for(ref, self.chunk_size) if want_tf else None
         chunk = min(self.chunk_size, c.max_chunk)
         if self.chunk_size == DEFAULT_CHUNK:
