@@ -40,7 +40,7 @@ class _Prepared:
 
 
 def _prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
-             storage_gbps, window) -> _Prepared:
+             storage_gbps, window, reuse_plan: bool = False) -> _Prepared:
     if not isinstance(chunk_size, int) or not 64 <= chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk_size must be between 64 and {MAX_CHUNK} bytes")
     if transform not in ("auto", "byteplane", None):
@@ -53,8 +53,9 @@ def _prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pick
     gpu = Planner(codec, transform, chunk_size, level, device, portable, storage_gbps).dev == "cuda"
     if window is None:
         window = gpu_window() if gpu else DEFAULT_WINDOW
-    plans = plan_storages(enc.storages, window, codec=codec, transform=transform, chunk_size=chunk_size,
-                          level=level, device=device, portable=portable, storage_gbps=storage_gbps)
+    plans = plan_storages(enc.storages, window, reuse_plan, codec=codec, transform=transform,
+                          chunk_size=chunk_size, level=level, device=device, portable=portable,
+                          storage_gbps=storage_gbps)
     units = [u for i, (ref, plan) in enumerate(zip(enc.storages, plans))
              for u in units_of(i, ref.data, plan, window)]
     return _Prepared(root, meta, enc.storages, plans, list(groups(units, window)),

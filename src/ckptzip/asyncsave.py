@@ -130,11 +130,12 @@ def _snapshot(prep) -> list:
 def async_save(obj: Any, path, *, codec: str | dict = "auto", transform: str | None = "auto",
                chunk_size: int = DEFAULT_CHUNK, level: int | None = None, metadata=None,
                allow_pickle: bool = False, fsync: bool = True, progress=None, device: str | None = None,
-               portable: bool = False, storage_gbps: float | None = None, window: int | None = None
-               ) -> SaveHandle:
+               portable: bool = False, storage_gbps: float | None = None, window: int | None = None,
+               reuse_plan: bool = True) -> SaveHandle:
     """Like :func:`ckptzip.save` (same arguments), but returns once a consistent snapshot is taken
     (see the module docstring); the write goes on in the background. Errors surface on
-    ``handle.wait()``."""
+    ``handle.wait()``. ``reuse_plan``: reuse the codec choices sampled for an earlier save of the
+    same layout (the usual case in a training loop), keeping sampling out of the stall."""
     global _LAST
     with _LAST_LOCK:
         prev = _LAST
@@ -142,7 +143,7 @@ def async_save(obj: Any, path, *, codec: str | dict = "auto", transform: str | N
         prev._done.wait()  # the arena is reused: one save in flight at a time
     t0 = time.perf_counter()
     prep = _prepare(obj, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
-                    storage_gbps, window)
+                    storage_gbps, window, reuse_plan)
     staged = _snapshot(prep)
     handle = SaveHandle()
     handle.path = str(path)

@@ -94,13 +94,16 @@ class Planner:
             cfg = {"id": "ans", "data_type": "|u1"}
             local = ANS_PLANES
         c = self.codec(cfg, local)
-        # tiny storages (biases, norms) are not worth a transform launch of their own
-        want_tf = self.transform == "byteplane" or (
-            self.transform == "auto" and c.wire_id != "raw" and (self.dev == "cpu" or ref.data.numel() >= MIN_TRANSFORMED))
+        want_tf = self.transform == "byteplane" or (self.transform == "auto" and c.wire_id != "raw")
         tf = byteplane_for(ref, self.chunk_size) if want_tf else None
         chunk = min(self.chunk_size, c.max_chunk)
         if self.chunk_size == DEFAULT_CHUNK:
             chunk = min(chunk, getattr(c, "preferred_chunk", chunk))
+        word = _ANS_WORD.get(tf.width) if tf is not None else None
+        if self.auto and ans_planes and word and ref.data.numel() < MIN_TRANSFORMED:
+            # tiny storages (biases, norms): ANS on whole words compresses them about as well as
+            # byte planes and needs no transform launch of their own
+            return Plan(None, self.codec({"id": "ans", "data_type": word}), chunk), {}
         if self.auto and cfg["id"] == "ans" and tf is None and ref.elem.startswith("float8"):
             return Plan(None, self.codec({"id": "ans", "data_type": "|f1"}), chunk), {}
         plan = Plan(tf, c, chunk)
@@ -118,10 +121,13 @@ class Planner:
             variants["words"] = Plan(None, self.codec({"id": "ans", "data_type": word}), chunk)
         return plan, variants
 
-    def plan_all(self, refs: list[StorageRef], window: int) -> list[Plan]:
-        """Plans for every storage. The sampled decisions are remembered for the same checkpoint
-        layout and options (a training loop saves the same structure again and again), so only
-        the first save of a run pays for sampling."""
+    def plan_all(self, refs: list[StorageRef], window: int, reuse: bool = False) -> list[Plan]:
+        """Plans for every storage. With ``reuse``, the sampled decisions are remembered for the
+        same checkpoint layout and options (a training loop saves the same structure again and
+        again, with slowly changing statistics), so only the first save of a run pays for
+        sampling."""
+        if not reuse:
+            return self._plan_all(refs, window)
         key = (repr(sorted(self.cfg.items())), self.transform, self.chunk_size, self.level, self.dev,
                self.portable, self.slow_storage, window,
                tuple((r.data.numel(), r.elem, r.float_width) for r in refs))
@@ -184,5 +190,5 @@ class Planner:
         return best
 
 
-def plan_storages(refs: list[StorageRef], window: int, **kw: Any) -> list[Plan]:
-    return Planner(**kw).plan_all(refs, window)
+def plan_storages(refs: list[StorageRef], window: int, reuse: bool = False, **kw: Any) -> list[Plan]:
+    return Planner(**kw).plan_all(refs, window, reuse)
