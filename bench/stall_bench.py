@@ -153,7 +153,8 @@ def profile_async(state, d):
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("cumtime").print_stats(25)
     print("stall", h.stall_s)
-    print(s.getvalue()[:6000])
+    with open(os.path.join(os.environ.get("OUT", "."), "async_profile.txt"), "w") as f:
+        f.write(f"stall {h.stall_s}\n" + s.getvalue())
 
 
 def main():
