@@ -151,6 +151,10 @@ def groups(units: list[Unit], window: int, max_chunks: int = 8192) -> Iterator[l
         yield cur
 
 
+def _ceil16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
 def _codec_key(c: Codec) -> tuple:
     return (type(c).__name__, repr(sorted(c.config.items())))
 
@@ -160,7 +164,8 @@ def encode_group(units: list[Unit]) -> list[list[tuple]]:
     each codec in one call. Returns, per unit, its chunks as writer pieces
     (tensor, offset, stored bytes, raw bytes, flags); a chunk that does not shrink stays raw."""
     dev = units[0].plan.codec.device
-    total = sum(u.data.numel() for u in units)
+    # each unit starts 16-byte aligned in the group stream, so nvCOMP reads chunks in place
+    total = sum(_ceil16(u.data.numel()) for u in units)
     single = len(units) == 1 and units[0].plan.transform is None and units[0].data.device.type == dev
     stream = units[0].data if single else torch.empty(total, dtype=torch.uint8, device=dev)
     staged = None
@@ -182,7 +187,7 @@ def encode_group(units: list[Unit]) -> list[list[tuple]]:
                 u.plan.transform.encode(src, out=stream[pos:pos + n])
             else:
                 stream[pos:pos + n].copy_(src)
-        pos += n
+        pos += _ceil16(n)
     out = [[(stream, u.base + o, n, n, FLAG_STORED_RAW) for o, n in zip(u.offs, u.sizes)] for u in units]
     by_codec: dict[tuple, tuple[Codec, list]] = {}
     for ui, u in enumerate(units):
