@@ -7,7 +7,10 @@ import time
 import torch
 
 from ckptzip.planner import Planner
-from ckptzip.engine import FLAG_STORED_RAW, decode_chunks, encode_window, gpu_window, windows
+import numpy as np
+
+from ckptzip.engine import DEFAULT_WINDOW, Job, decode_group, encode_group, gpu_window, units_of
+from ckptzip.format import ROW
 from ckptzip.tree import StorageRef
 
 
@@ -16,47 +19,57 @@ def ref_of(t: torch.Tensor) -> StorageRef:
                       t.element_size() if t.is_floating_point() and t.element_size() > 1 else 0)
 
 
-def measure(t: torch.Tensor, codec="auto", reps=3, portable=False):
+def measure(t: torch.Tensor, codec="auto", reps=3, portable=False, device="cuda"):
+    """Best-of-``reps`` compress and decompress GB/s of ckptzip's planned encode (transform +
+    codec, packing excluded) and decode (raw copies + codec + inverse transform), data resident
+    on ``device``; checks the round trip."""
     ref = ref_of(t)
-    win = gpu_window()
-    plan = Planner(codec, "auto", 1 << 20, None, "cuda", portable).plan_all([ref], win)[0]
+    win = gpu_window() if device == "cuda" else DEFAULT_WINDOW
+    plan = Planner(codec, "auto", 1 << 20, None, device, portable).plan_all([ref], win)[0]
     n = ref.data.numel()
+    units = units_of(0, ref.data, plan, win)
     best_e = best_d = 1e9
     for _ in range(reps):
-        torch.cuda.synchronize()
+        _sync(device)
         t0 = time.perf_counter()
-        packed, encoded = [], []
-        for a, b, offs, sizes, planes in windows(n, plan.transform, plan.chunk_size, win, plan.plane_chunks):
-            encoded.append((a, b, offs, sizes, *encode_window(plan, ref.data[a:b], offs, sizes, planes)))
-        torch.cuda.synchronize()
-        best_e = min(best_e, time.perf_counter() - t0)  # transform + nvCOMP (packing excluded)
-        for a, b, offs, sizes, stream, comp, doffs, dsizes in encoded:
-            # pack as the file does: chosen bytes of each chunk at 16-byte aligned offsets
-            flags, stored, soffs, pos = [], [], [], 0
-            for o, sz, co, cn in zip(offs, sizes, doffs, dsizes):
-                raw = cn >= sz
-                flags.append(FLAG_STORED_RAW if raw else 0)
-                stored.append(sz if raw else cn)
+        encoded = [encode_group([u]) for u in units]
+        _sync(device)
+        best_e = min(best_e, time.perf_counter() - t0)
+        # pack as the file does: chosen bytes of each chunk at 16-byte aligned offsets
+        packed = []
+        for u, (pieces,) in zip(units, encoded):
+            rows = np.zeros(len(pieces), ROW)
+            soffs, pos = [], 0
+            for k, (_t, _so, ln, raw, flags) in enumerate(pieces):
+                rows[k]["stored"], rows[k]["raw"], rows[k]["flags"] = ln, raw, flags
                 soffs.append(pos)
-                pos += (stored[-1] + 15) // 16 * 16
-            buf = torch.empty(pos, dtype=torch.uint8, device="cuda")
-            for o, sz, co, cn, so, st in zip(offs, sizes, doffs, dsizes, soffs, stored):
-                buf[so:so + st].copy_(stream[o:o + sz] if cn >= sz else comp[co:co + cn])
-            packed.append((a, b, buf, soffs, stored, sizes, flags))
+                pos += (ln + 15) // 16 * 16
+            buf = torch.zeros(pos, dtype=torch.uint8, device=device)
+            for (tt, so, ln, _raw, _fl), o in zip(pieces, soffs):
+                buf[o:o + ln].copy_(tt[so:so + ln])
+            packed.append((u, buf, soffs, rows))
         del encoded
-        total = sum(sum(p[4]) for p in packed)
+        total = sum(int(p[3]["stored"].sum()) for p in packed)
         dst = torch.empty_like(ref.data)
-        torch.cuda.synchronize()
+        _sync(device)
         t0 = time.perf_counter()
-        for a, b, buf, soffs, stored, sizes, flags in packed:
-            decode_chunks(buf, soffs, stored, sizes, flags, plan.transform, plan.codec, dst[a:b], "cuda")
-        torch.cuda.synchronize()
+        a = 0
+        for u, buf, soffs, rows in packed:
+            b = a + u.data.numel()
+            decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), a, b)], device)
+            a = b
+        _sync(device)
         best_d = min(best_d, time.perf_counter() - t0)
         del packed
     assert torch.equal(dst, ref.data), "round trip failed"
     return {"codec": plan.codec.get_config(), "transform": plan.transform.get_config() if plan.transform else None,
-            "raw_planes": sorted(plan.raw_planes), "plane_chunks": plan.plane_chunks, "ratio": total / n, "compress_GBps": n / best_e / 1e9, "decompress_GBps": n / best_d / 1e9,
-            "choice": plan.choice}
+            "raw_planes": sorted(plan.raw_planes), "plane_chunks": plan.plane_chunks, "ratio": total / n,
+            "compress_GBps": n / best_e / 1e9, "decompress_GBps": n / best_d / 1e9, "choice": plan.choice}
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Quick GPU check of ckptzip's nvCOMP codec wrappers and GPU<->CPU cross decoding."""
-import torch, numpy as np
+import torch
 from ckptzip.codecs import get_codec
 src = torch.randn(3 << 20, device="cuda").view(torch.uint8)
 src = src[: src.numel() - 5]  # odd size

@@ -1,6 +1,6 @@
 """Exploration on a GPU: nvCOMP alignment, ratios per chunk size and layout, cross decoding."""
 import json, os, sys, time
-import numpy as np, torch
+import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from gpt import train, checkpoint, components
 from nvidia import nvcomp as nv

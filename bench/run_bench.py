@@ -155,8 +155,6 @@ def e2e(state, d):
                 shutil.rmtree(path)
             _, ts = timed(lambda: save(path))
             drop_cache(path)
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
             back, tl = timed(lambda: load(path))
             res[name] = {"bytes": du(path), "ratio": du(path) / raw, "save_s": ts, "load_s": tl}
             if isinstance(back, dict) and "_check" not in name:
@@ -197,9 +195,7 @@ def e2e(state, d):
 def exponent_locality(v_tensors):
     """Why Adam v compresses below its global order-0 bound: entropy of v's exponent plane
     globally, per 64 KiB chunk, per row, and after a row-to-row delta."""
-    from ckptzip.transforms import BytePlane
     out = {}
-    import math
     tot = {"global": 0.0, "chunk64k": 0.0, "rowdelta_global": 0.0, "n": 0}
 
     def H(x):

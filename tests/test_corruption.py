@@ -1,7 +1,6 @@
 """Corruption matrix: truncation at every structural boundary, bit flips everywhere, lying sizes
 and offsets, decompression bombs. Every case raises a named CkptzipError: never a crash, a hang,
 a silently wrong tensor or an oversized allocation."""
-import json
 import os
 import struct
 

@@ -11,7 +11,6 @@ import torch
 
 import ckptzip
 import ckptzip.cli
-from ckptzip import format as fmt
 from ckptzip.codecs import get_codec
 from conftest import read_parts, same_bits, write_parts
 

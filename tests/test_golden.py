@@ -6,7 +6,6 @@ import json
 import os
 
 import pytest
-import torch
 
 import ckptzip
 from conftest import assert_same, cuda_ok

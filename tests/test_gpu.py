@@ -1,12 +1,11 @@
 """GPU tests (marked ``gpu``; skipped without a CUDA GPU and nvCOMP)."""
-import os
 
 import pytest
 import torch
 
 import ckptzip
 from ckptzip.codecs import registered
-from conftest import assert_same, same_bits
+from conftest import same_bits
 
 pytestmark = pytest.mark.gpu
 GPU_CODECS = [w for w, d in registered().items() if "cuda" in d]

@@ -10,16 +10,15 @@ import numpy as np
 import torch
 
 from . import __version__
-from .codecs.base import MAX_CHUNK, Codec, get_codec
+from .codecs.base import MAX_CHUNK
 from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, ChunkWriter, Job, decode_jobs, encode_group,
                      gpu_decode_window, gpu_window, groups, storage_plan_from_manifest, units_of)
 from .planner import Planner, gpu_ok, plan_storages
-from .errors import CkptzipError, CorruptFileError, TensorNotFoundError, UnknownCodecError
+from .errors import CorruptFileError, TensorNotFoundError
 from .format import (FOOTER_SIZE, HEADER_SIZE, check_header, pack_footer, pack_header,
                      pack_manifest, parse_footer, parse_manifest)
 from .storage import RemoteSource, is_url, local_path, open_for_write, pread_into
-from .transforms import BytePlane
-from .tree import Decoder, Encoder, StorageRef, tensor_paths
+from .tree import Decoder, Encoder, tensor_paths
 
 Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
 

@@ -92,30 +92,6 @@ def windows(nbytes: int, tf: BytePlane | None, chunk: int, window: int,
         yield a, b, offs, sizes, planes
 
 
-def encode_window(plan: Plan, src: torch.Tensor, offs: list[int], sizes: list[int], planes: list[int]
-                  ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-    """Transform and compress one window. Returns (stream, compressed, comp offsets, comp sizes),
-    all on the codec's device. Chunks of planes in ``plan.raw_planes`` skip the codec (their
-    comp size is reported as their raw size, so the writer stores them raw)."""
-    dev = plan.codec.device
-    if src.device.type != dev:
-        if dev == "cuda":
-            staged = PINNED.get("stage", src.numel())
-            staged.copy_(src)
-            src = staged.to(dev, non_blocking=True)
-        else:
-            src = src.to(dev)
-    stream = plan.transform.encode(src) if plan.transform else src
-    sel = [k for k, p in enumerate(planes) if p not in plan.raw_planes]
-    doffs, dsizes = [0] * len(sizes), list(sizes)
-    if not sel:
-        return stream, stream[:0], doffs, dsizes
-    dst, do, ds = plan.codec.encode(stream, [offs[k] for k in sel], [sizes[k] for k in sel])
-    for i, k in enumerate(sel):
-        doffs[k], dsizes[k] = do[i], ds[i]
-    return stream, dst, doffs, dsizes
-
-
 @dataclass
 class Unit:
     """One window of one storage, planned: what encode_group compresses."""
@@ -552,37 +528,3 @@ def _checksums(b: np.ndarray, offs, stored) -> list[int]:
         from concurrent.futures import ThreadPoolExecutor
         _SUM_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckptzip-sum")
     return list(_SUM_POOL.map(lambda k: checksum(memoryview(b[offs[k]:offs[k] + stored[k]])), range(n)))
-
-
-def decode_chunks(src: torch.Tensor, soffs: list[int], stored: list[int], raws: list[int],
-                  flags: list[int], tf: BytePlane | None, codec: Codec, dst: torch.Tensor,
-                  work: str) -> None:
-    """Decode verified stored chunks (``src`` on ``work``) into ``dst``: runs of raw chunks are
-    copied in one go, the others go to the codec in one batch, then the transform is undone."""
-    stream = dst if (tf is None and dst.device.type == work) else \
-        torch.empty(dst.numel(), dtype=torch.uint8, device=work)
-    roffs = np.concatenate([[0], np.cumsum(raws)[:-1]]).astype(np.int64).tolist() if raws else []
-    ci = [k for k in range(len(raws)) if flags[k] != FLAG_STORED_RAW]
-    k, n = 0, len(raws)
-    while k < n:
-        if flags[k] != FLAG_STORED_RAW:
-            k += 1
-            continue
-        j = k + 1
-        while j < n and flags[j] == FLAG_STORED_RAW and soffs[j] == soffs[j - 1] + stored[j - 1]:
-            j += 1
-        ln = roffs[j - 1] + raws[j - 1] - roffs[k]
-        stream[roffs[k]:roffs[k] + ln].copy_(src[soffs[k]:soffs[k] + ln])
-        k = j
-    if ci:
-        codec.decode(src, [soffs[k] for k in ci], [stored[k] for k in ci],
-                     stream, [roffs[k] for k in ci], [raws[k] for k in ci])
-    if tf is not None:
-        if dst.device.type == work:
-            tf.decode(stream, dst)
-        else:
-            tmp = torch.empty_like(stream)
-            tf.decode(stream, tmp)
-            dst.copy_(tmp)
-    elif stream is not dst:
-        dst.copy_(stream)

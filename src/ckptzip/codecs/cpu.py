@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
