@@ -226,3 +226,6 @@ LZ4GPU = _gpu_codec("lz4", "LZ4", ("data_type",))
 SnappyGPU = _gpu_codec("snappy", "Snappy")
 BitcompGPU = _gpu_codec("bitcomp", "Bitcomp", ("data_type", "algorithm_type"), None, 1 << 20)
 CascadedGPU = _gpu_codec("cascaded", "Cascaded", ("data_type",))
+#: 1 MiB Cascaded chunks decoded to other sizes than declared on nvCOMP 6.0 (seen on an H100);
+#: 64 KiB chunks round-trip, so no larger chunk is written or accepted
+CascadedGPU.max_chunk = 64 * 1024
