@@ -23,10 +23,6 @@ from .tree import Decoder, Encoder, tensor_paths
 Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
 
 
-def _gpu_ok() -> bool:
-    return gpu_ok()
-
-
 @dataclass
 class _Prepared:
     """A save, planned: the object tree, its storages, their plans and the grouped work units."""
@@ -122,10 +118,6 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
     return _write(prep, path, fsync, progress)
 
 
-def _host(t: torch.Tensor) -> np.ndarray:
-    return (t if t.device.type == "cpu" else t.cpu()).numpy()
-
-
 def _resolve_device(saved: str, map_location: Any) -> torch.device:
     if map_location is None:
         dev = torch.device(saved)
@@ -214,7 +206,7 @@ class CheckpointReader:
         s = self.storages[i]
         dev = _resolve_device(s.get("device", "cpu") if t == "tensor" else "cpu",
                               self.map_location if t == "tensor" else "cpu")
-        work = self.decode_device or ("cuda" if dev.type == "cuda" or _gpu_ok() else "cpu")
+        work = self.decode_device or ("cuda" if dev.type == "cuda" or gpu_ok() else "cpu")
         tf, codec = storage_plan_from_manifest(s, work)
         first, count = s["rows"]
         out = torch.empty(s["nbytes"], dtype=torch.uint8, device=dev)

@@ -82,7 +82,6 @@ def cmd_convert(a) -> int:
 
 
 def info_rows(path: str) -> tuple[dict, list[dict]]:
-    from .tree import DTYPES  # noqa: F401
     with api.open(path) as r:
         rows = []
         for key, node in r._tensor_nodes().items():

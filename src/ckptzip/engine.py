@@ -475,15 +475,6 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
         pos += b - a
 
 
-def decode_storage(fd: int, rows: np.ndarray, nbytes: int, tf: BytePlane | None, codec: Codec,
-                   out_device: str | torch.device, window: int = DEFAULT_WINDOW,
-                   progress: Callable[[int], None] | None = None) -> torch.Tensor:
-    """Read, verify and decode one storage; returns a flat uint8 tensor on ``out_device``."""
-    out = torch.empty(nbytes, dtype=torch.uint8, device=out_device)
-    decode_jobs(fd, [Job(rows, tf, codec, out)], window, progress)
-    return out
-
-
 def read_stored(fd: int, batch: np.ndarray, pinned_name: str | None = None) -> tuple[torch.Tensor, list[int]]:
     """Read a batch's stored chunks into one host buffer (pinned when named) and verify their
     checksums. Returns the buffer and each chunk's offset in it (16-byte aligned when the file's

@@ -69,10 +69,6 @@ class BytePlane:
                 off += m
         return out
 
-    def block_span(self, nbytes: int) -> int:
-        """Bytes of the original storage covered by one block."""
-        return self.block * self.width
-
     def encode(self, src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The planes, in ``out`` or a new uint8 tensor on ``src``'s device; ``src`` is never
         modified."""
