@@ -209,3 +209,62 @@ def test_not_a_ckz(tmp_path):
     expect(q)
     q.write_bytes(b"")
     expect(q, ckptzip.TruncatedFileError)
+
+
+# -- fuzzing: random damage anywhere may only end in a named error or in the right data --------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_FUZZ_OBJ = {"w": torch.linspace(-3, 3, 2000), "h": torch.arange(300, dtype=torch.int16), "s": "x",
+             "n": [1, 2.5, None, b"\x00"]}
+
+
+@pytest.fixture(scope="module")
+def fuzz_base(tmp_path_factory):
+    p = tmp_path_factory.mktemp("fz") / "base.ckz"
+    ckptzip.save(_FUZZ_OBJ, p, chunk_size=512, device="cpu")
+    return p.read_bytes()
+
+
+def _check_fuzzed(tmp_path_factory, data: bytes, strict: bool = True) -> None:
+    """Load damaged bytes: a named error, or (``strict``: the damage missed everything that
+    matters) the original data. Without ``strict`` (a rewritten manifest with valid checksums,
+    i.e. a different but well-formed file) any loaded object is fine."""
+    q = tmp_path_factory.mktemp("fz") / "f.ckz"
+    q.write_bytes(data)
+    try:
+        back = ckptzip.load(q)
+    except ckptzip.CkptzipError:
+        return
+    if strict:
+        assert same_bits(back["w"], _FUZZ_OBJ["w"]) and same_bits(back["h"], _FUZZ_OBJ["h"])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), min_size=1, max_size=8),
+       cut=st.one_of(st.none(), st.floats(0, 1)))
+def test_fuzz_random_byte_damage(tmp_path_factory, fuzz_base, edits, cut):
+    data = bytearray(fuzz_base)
+    for where, value in edits:
+        data[int(where * len(data))] = value
+    if cut is not None:
+        data = data[: int(cut * len(data))]
+    _check_fuzzed(tmp_path_factory, bytes(data))
+
+
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False), st.text(max_size=8)),
+    lambda ch: st.one_of(st.lists(ch, max_size=4), st.dictionaries(st.text(max_size=6), ch, max_size=4)),
+    max_leaves=20)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(key=st.sampled_from(["root", "storages", "n_chunks", "version", "meta", "format"]), value=json_values)
+def test_fuzz_manifest_fields(tmp_path_factory, fuzz_base, key, value):
+    """Any JSON in any manifest field, with valid checksums: a named error or the right data."""
+    q = tmp_path_factory.mktemp("fz") / "m.ckz"
+    q.write_bytes(fuzz_base)
+    data, doc, rows = read_parts(q)
+    doc[key] = value
+    write_parts(q, data, doc, rows)
+    _check_fuzzed(tmp_path_factory, q.read_bytes(), strict=False)
