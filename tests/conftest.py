@@ -1,10 +1,18 @@
+import os
 import struct
 
 import numpy as np
 import pytest
 import torch
 
+from hypothesis import settings
+
 from ckptzip import format as fmt
+
+# CI runs must be reproducible: same examples every run (HYPOTHESIS_PROFILE=explore for random ones)
+settings.register_profile("ci", derandomize=True, deadline=None)
+settings.register_profile("explore", deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def cuda_ok() -> bool:

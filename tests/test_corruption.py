@@ -253,7 +253,8 @@ def test_fuzz_random_byte_damage(tmp_path_factory, fuzz_base, edits, cut):
 
 
 json_values = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False), st.text(max_size=8)),
+    st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False, allow_infinity=False),
+              st.text(max_size=8)),
     lambda ch: st.one_of(st.lists(ch, max_size=4), st.dictionaries(st.text(max_size=6), ch, max_size=4)),
     max_leaves=20)
 
