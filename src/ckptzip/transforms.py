@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from .codecs.base import MAX_CHUNK
@@ -75,6 +76,14 @@ class BytePlane:
         w, b = self.width, self.block
         if src.is_cuda and _triton() is not None:
             return _triton().encode(src, w, b, out)
+        out = torch.empty_like(src) if out is None else out
+        if src.device.type == "cpu" and out.device.type == "cpu":
+            _np_encode(src.numpy(), out.numpy(), w, b)  # numpy transposes bytes ~8x faster
+            return out
+        return self._torch_encode(src, out)
+
+    def _torch_encode(self, src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        w, b = self.width, self.block
         n = src.numel() // w
         bits = 8 * w
         v = src.view(_INT[w])
@@ -83,7 +92,6 @@ class BytePlane:
         rot |= sign.bitwise_and_(1)
         del sign
         rb = rot.view(torch.uint8).view(n, w)
-        out = torch.empty_like(src) if out is None else out
         full = n // b * b
         if full:
             nb = full // b
@@ -97,6 +105,12 @@ class BytePlane:
         w, b = self.width, self.block
         if src.is_cuda and dst.is_cuda and _triton() is not None:
             return _triton().decode(src, dst, w, b)
+        if src.device.type == "cpu" and dst.device.type == "cpu":
+            return _np_decode(src.numpy(), dst.numpy(), w, b)
+        return self._torch_decode(src, dst)
+
+    def _torch_decode(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        w, b = self.width, self.block
         n = src.numel() // w
         bits = 8 * w
         full = n // b * b
@@ -110,6 +124,35 @@ class BytePlane:
         maxpos = (1 << (bits - 1)) - 1
         hi = v << (bits - 1)
         v.bitwise_right_shift_(1).bitwise_and_(maxpos).bitwise_or_(hi)
+
+
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _np_encode(src: np.ndarray, out: np.ndarray, w: int, b: int) -> None:
+    """CPU byteplane encode (same wire format as the torch and Triton versions)."""
+    n = src.size // w
+    u = src.view(_UINT[w])
+    rb = ((u << 1) | (u >> (8 * w - 1))).view(np.uint8).reshape(n, w)
+    full = n // b * b
+    if full:
+        nb = full // b
+        out[: full * w].reshape(nb, w, b)[:] = rb[:full].reshape(nb, b, w).transpose(0, 2, 1)
+    if n > full:
+        out[full * w:].reshape(w, n - full)[:] = rb[full:].T
+
+
+def _np_decode(src: np.ndarray, dst: np.ndarray, w: int, b: int) -> None:
+    n = src.size // w
+    full = n // b * b
+    dv = dst.reshape(n, w)
+    if full:
+        nb = full // b
+        dv[:full].reshape(nb, b, w)[:] = src[: full * w].reshape(nb, w, b).transpose(0, 2, 1)
+    if n > full:
+        dv[full:] = src[full * w:].reshape(w, n - full).T
+    u = dst.view(_UINT[w])
+    u[:] = (u >> 1) | (u << (8 * w - 1))
 
 
 def get_transform(config: Any):
