@@ -13,7 +13,7 @@ from . import __version__
 from .codecs.base import MAX_CHUNK
 from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, ChunkWriter, Job, decode_jobs, encode_group,
                      gpu_decode_window, gpu_window, groups, storage_plan_from_manifest, units_of)
-from .planner import Planner, gpu_ok, plan_storages
+from .planner import Planner, gpu_ok
 from .errors import CorruptFileError, TensorNotFoundError
 from .format import (FOOTER_SIZE, HEADER_SIZE, check_header, pack_footer, pack_header,
                      pack_manifest, parse_footer, parse_manifest)
@@ -45,12 +45,10 @@ def _prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pick
         raise TypeError("metadata must map str to str")
     enc = Encoder(allow_pickle=allow_pickle)
     root = enc.encode(obj)
-    gpu = Planner(codec, transform, chunk_size, level, device, portable, storage_gbps).dev == "cuda"
+    planner = Planner(codec, transform, chunk_size, level, device, portable, storage_gbps)
     if window is None:
-        window = gpu_window() if gpu else DEFAULT_WINDOW
-    plans = plan_storages(enc.storages, window, reuse_plan, codec=codec, transform=transform,
-                          chunk_size=chunk_size, level=level, device=device, portable=portable,
-                          storage_gbps=storage_gbps)
+        window = gpu_window() if planner.dev == "cuda" else DEFAULT_WINDOW
+    plans = planner.plan_all(enc.storages, window, reuse_plan)
     units = [u for i, (ref, plan) in enumerate(zip(enc.storages, plans))
              for u in units_of(i, ref.data, plan, window)]
     return _Prepared(root, meta, enc.storages, plans, list(groups(units, window)),
@@ -227,22 +225,11 @@ class CheckpointReader:
 
     def _prefetch_all(self) -> None:
         """Decode every storage in one pipelined pass (file order), using each storage's first
-        referencing node kind to place it."""
+        referencing node kind to place it (a storage reached by no key is decoded on demand)."""
         kinds: dict[int, str] = {}
-
-        def walk(n: Any, depth: int = 0) -> None:
-            if depth > 200 or not isinstance(n, (dict, list)):
-                return
-            if isinstance(n, list):
-                for x in n:
-                    walk(x, depth + 1)
-                return
-            if n.get("t") in ("tensor", "ndarray") and type(n.get("s")) is int:
+        for n in self._tensor_nodes().values():
+            if type(n.get("s")) is int:
                 kinds.setdefault(n["s"], n["t"])
-            for key in ("k", "v"):
-                if isinstance(n.get(key), list):
-                    walk(n[key], depth + 1)
-        walk(self.manifest.doc["root"])
         jobs = {i: self._job(i, t) for i, t in sorted(kinds.items()) if 0 <= i < len(self.storages)}
         self._decode(jobs)
 

@@ -11,7 +11,6 @@ batched codec calls.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
 
 import torch
 
@@ -188,7 +187,3 @@ class Planner:
                        f"planes (raw planes {sorted(plan.raw_planes)}, chunks {plan.plane_chunks or {}}) "
                        f"vs {words_bytes / sample:.3f} words")
         return best
-
-
-def plan_storages(refs: list[StorageRef], window: int, reuse: bool = False, **kw: Any) -> list[Plan]:
-    return Planner(**kw).plan_all(refs, window, reuse)

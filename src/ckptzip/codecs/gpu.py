@@ -74,6 +74,15 @@ def _ceil(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
+def _packed(sizes, a: int) -> tuple[list[int], int]:
+    """Offsets that pack chunks of ``sizes`` back to back, each ``a``-aligned, and the total."""
+    offs, pos = [], 0
+    for n in sizes:
+        offs.append(pos)
+        pos += _ceil(n, a)
+    return offs, pos
+
+
 class NvcompCodec(Codec):
     """Batched RAW nvCOMP codec; subclasses name the algorithm and its wire options."""
 
@@ -114,10 +123,7 @@ class NvcompCodec(Codec):
         a = self._align
         if all(o % a == 0 for o in offsets) and src.data_ptr() % a == 0:
             return src, list(offsets)
-        new, pos = [], 0
-        for n in sizes:
-            new.append(pos)
-            pos += _ceil(n, a)
+        new, pos = _packed(sizes, a)
         buf = torch.empty(max(pos, 1), dtype=torch.uint8, device=src.device)
         for o, n, p in zip(offsets, sizes, new):
             buf[p:p + n].copy_(src[o:o + n])
@@ -167,13 +173,8 @@ class NvcompCodec(Codec):
         base_ok = dst.data_ptr() % a == 0
         direct = [i for i, o in enumerate(dst_offsets) if base_ok and o % a == 0]
         staged = [i for i, o in enumerate(dst_offsets) if not (base_ok and o % a == 0)]
-        tmp, toffs = None, []
-        if staged:
-            pos = 0
-            for i in staged:
-                toffs.append(pos)
-                pos += _ceil(dst_sizes[i], a)
-            tmp = torch.empty(pos, dtype=torch.uint8, device=dst.device)
+        toffs, pos = _packed([dst_sizes[i] for i in staged], a)
+        tmp = torch.empty(pos, dtype=torch.uint8, device=dst.device) if staged else None
         groups = [(direct, dst, [dst_offsets[i] for i in direct]), (staged, tmp, toffs)]
         for idx, buf, offs in groups:
             if not idx:
