@@ -7,10 +7,8 @@ import time
 import torch
 
 from ckptzip.planner import Planner
-import numpy as np
-
-from ckptzip.engine import DEFAULT_WINDOW, Job, decode_group, encode_group, gpu_window, units_of
-from ckptzip.format import ROW
+from ckptzip.engine import (DEFAULT_WINDOW, Job, decode_group, encode_group, gather_gpu, gpu_window,
+                            rows_array, stage_pieces, units_of)
 from ckptzip.tree import StorageRef
 
 
@@ -20,43 +18,41 @@ def ref_of(t: torch.Tensor) -> StorageRef:
 
 
 def measure(t: torch.Tensor, codec="auto", reps=3, portable=False, device="cuda"):
-    """Best-of-``reps`` compress and decompress GB/s of ckptzip's planned encode (transform +
-    codec, packing excluded) and decode (raw copies + codec + inverse transform), data resident
-    on ``device``; checks the round trip."""
+    """Best-of-``reps`` compress and decompress GB/s of ckptzip's planned encode and decode, data
+    resident on ``device``, as a save and a load run them window by window. Compress: transform,
+    codec, and packing every chunk's chosen bytes into one buffer (what ``async_save`` keeps as
+    its snapshot). Decompress: from those packed buffers, raw copies + codec + inverse transform
+    into the destination. Checks the round trip."""
     ref = ref_of(t)
     win = gpu_window() if device == "cuda" else DEFAULT_WINDOW
     plan = Planner(codec, "auto", 1 << 20, None, device, portable).plan_all([ref], win)[0]
     n = ref.data.numel()
     units = units_of(0, ref.data, plan, win)
     best_e = best_d = 1e9
+    dst = torch.empty_like(ref.data)
     for _ in range(reps):
+        packed = []
         _sync(device)
         t0 = time.perf_counter()
-        encoded = [encode_group([u]) for u in units]
+        for u in units:
+            (pieces,) = encode_group([u])
+            if device == "cuda":
+                buf, rel = gather_gpu(pieces)
+            else:
+                buf, rel = stage_pieces(pieces, lambda k: torch.empty(k, dtype=torch.uint8), sync=False)
+            del pieces
+            packed.append((u, buf, rel))
         _sync(device)
         best_e = min(best_e, time.perf_counter() - t0)
-        # pack as the file does: chosen bytes of each chunk at 16-byte aligned offsets
-        packed = []
-        for u, (pieces,) in zip(units, encoded):
-            rows = np.zeros(len(pieces), ROW)
-            soffs, pos = [], 0
-            for k, (_t, _so, ln, raw, flags) in enumerate(pieces):
-                rows[k]["stored"], rows[k]["raw"], rows[k]["flags"] = ln, raw, flags
-                soffs.append(pos)
-                pos += (ln + 15) // 16 * 16
-            buf = torch.zeros(pos, dtype=torch.uint8, device=device)
-            for (tt, so, ln, _raw, _fl), o in zip(pieces, soffs):
-                buf[o:o + ln].copy_(tt[so:so + ln])
-            packed.append((u, buf, soffs, rows))
-        del encoded
-        total = sum(int(p[3]["stored"].sum()) for p in packed)
-        dst = torch.empty_like(ref.data)
+        total = sum(r[1] for _u, _b, rel in packed for r in rel)
+        dst.zero_()
         _sync(device)
         t0 = time.perf_counter()
         a = 0
-        for u, buf, soffs, rows in packed:
+        for u, buf, rel in packed:
+            rows = rows_array(rel)
             b = a + u.data.numel()
-            decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), a, b)], device)
+            decode_group(buf, rows["offset"].tolist(), rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), a, b)], device)
             a = b
         _sync(device)
         best_d = min(best_d, time.perf_counter() - t0)
@@ -64,7 +60,8 @@ def measure(t: torch.Tensor, codec="auto", reps=3, portable=False, device="cuda"
     assert torch.equal(dst, ref.data), "round trip failed"
     return {"codec": plan.codec.get_config(), "transform": plan.transform.get_config() if plan.transform else None,
             "raw_planes": sorted(plan.raw_planes), "plane_chunks": plan.plane_chunks, "ratio": total / n,
-            "compress_GBps": n / best_e / 1e9, "decompress_GBps": n / best_d / 1e9, "choice": plan.choice}
+            "compress_GBps": n / best_e / 1e9, "decompress_GBps": n / best_d / 1e9, "choice": plan.choice,
+            "window": win}
 
 
 def _sync(device):

@@ -20,10 +20,13 @@ from gpt import checkpoint, train  # noqa: E402
 
 
 def timed(fn):
+    """Seconds the caller is blocked: the GPU is idle before; afterwards we wait for the work the
+    call left on the training stream (the next step would queue behind it), not for copies it
+    left on side streams, which overlap the next steps."""
     torch.cuda.synchronize()
     t = time.perf_counter()
     r = fn()
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()
     return r, time.perf_counter() - t
 
 
@@ -74,6 +77,72 @@ def stalls(state, d, reps=5):
     res["ckptzip async_save"] = out
     res["ckptzip async_save (reported stall_s)"] = [h.stall_s]
     return {k: {"median_s": statistics.median(v), "all_s": v} for k, v in res.items()}
+
+
+def loop_cost(model, opt, d, steps=20, reps=3):
+    """Training time lost per checkpoint, background work included: wall time of ``steps``
+    training steps that begin with a checkpoint minus the same steps without one (median of
+    ``reps``); each save is waited for after the steps (not counted: a loop checkpoints far less
+    often than every ``steps`` steps)."""
+    import torch.nn.functional as F
+    from gpt import corpus
+    text = corpus(8 << 20).cuda()
+    g = torch.Generator().manual_seed(3)
+
+    def step():
+        ix = torch.randint(0, text.numel() - 513, (16,), generator=g).cuda()
+        seq = text[ix[:, None] + torch.arange(513, device="cuda")].long()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(seq[:, :-1]).float().reshape(-1, 256), seq[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    def state():
+        sd = model.state_dict()
+        return {"model": sd, "model_bf16": {k: v.to(torch.bfloat16) for k, v in sd.items()}, "optimizer": opt.state_dict()}
+
+    import torch.distributed.checkpoint as dcp
+
+    def dcp_save(i):
+        s = state()
+        flat = {f"model.{k}": v for k, v in s["model"].items()}
+        flat.update({f"bf16.{k}": v for k, v in s["model_bf16"].items()})
+        for pid, st in s["optimizer"]["state"].items():
+            flat.update({f"opt.{pid}.{k}": v for k, v in st.items()})
+        return dcp.async_save(flat, checkpoint_id=f"{d}/loop_dcp{i}")
+
+    def torch_save(i):
+        with open(f"{d}/loop_t{i}.pt", "wb") as f:
+            torch.save(state(), f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    methods = {"none": None, "torch.save": torch_save, "DCP async_save": dcp_save,
+               "ckptzip async_save": lambda i: ckptzip.async_save(state(), f"{d}/loop_c{i}.ckz")}
+    for _ in range(5):
+        step()
+    out = {}
+    for name, save in methods.items():
+        ts = []
+        for i in range(reps + 1):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            pending = save(i) if save else None
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+            if hasattr(pending, "wait"):
+                pending.wait()
+            elif hasattr(pending, "result"):
+                pending.result()
+            if i:  # the first round warms up
+                ts.append(dt)
+        out[name] = statistics.median(ts)
+    base = out.pop("none")
+    return {"steps": steps, "step_s": base / steps,
+            "lost_per_checkpoint_s": {k: v - base for k, v in out.items()}}
 
 
 def staging_over_saves(state, d, n=100):
@@ -171,6 +240,8 @@ def main():
     if a.saves:
         res["stall"] = stalls(state, a.disk)
         print(json.dumps(res["stall"], indent=1), flush=True)
+        res["loop_cost"] = loop_cost(model, opt, a.disk)
+        print(json.dumps(res["loop_cost"]), flush=True)
         res["staging"] = staging_over_saves(state, a.disk, a.saves)
         print(json.dumps(res["staging"]), flush=True)
     del model, opt, state

@@ -64,12 +64,15 @@ def _write(prep: _Prepared, path, fsync: bool, progress: Progress | None, staged
         try:
             for gi, grp in enumerate(prep.groups):
                 if staged is not None and staged[gi] is not None:
-                    host, rel, per_unit = staged[gi]
+                    ent, staged[gi] = staged[gi], None
+                    host, rel, per_unit = ent.fetch() if hasattr(ent, "fetch") else ent
                     w.add_staged(host, rel)
+                    del ent
                 else:
                     pieces = encode_group(grp)
                     w.add([p for unit_pieces in pieces for p in unit_pieces])
                     per_unit = [len(p) for p in pieces]
+                    del pieces  # free this group's GPU buffers before the next is encoded
                 for u, n in zip(grp, per_unit):
                     counts[u.owner] += n
                 if progress:

@@ -2,12 +2,15 @@
 background.
 
 On a GPU the snapshot *is* the compression: every group of storages is compressed by nvCOMP and
-its compressed bytes are copied once into a pooled, page-locked host arena; then the caller's
-tensors are free to change. Checksums, the file write, fsync and the atomic rename (or the object
-store upload) run in a background thread. Without a GPU the snapshot is a copy of the raw bytes into
-the arena and compression runs in the background. The arena is reused by the next save and grows
-only when a checkpoint needs more than it holds, so its size is bounded by the largest snapshot.
-One save is in flight at a time: a new ``async_save`` first waits for the previous one.
+its compressed chunks are packed into one GPU buffer per group; then the caller's tensors are free
+to change. The device-to-host copy (into a pooled, page-locked host arena on a side stream),
+checksums, the file write, fsync and the atomic rename (or the object store upload) run in a
+background thread while training goes on. The compressed snapshot may hold at most
+``gpu_snapshot_bytes`` of GPU memory; groups beyond it are copied to the host during the call.
+Without a GPU the snapshot is a copy of the raw bytes into the arena and compression runs in the
+background. The arena is reused by the next save and grows only when a checkpoint needs more than
+it holds, so its size is bounded by the largest snapshot. One save is in flight at a time: a new
+``async_save`` first waits for the previous one.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from typing import Any
 import torch
 
 from .api import _prepare, _write
-from .engine import DEFAULT_CHUNK, encode_group, stage_pieces
+from .engine import DEFAULT_CHUNK, encode_group, gather_gpu, stage_pieces
 
 
 class Arena:
@@ -88,40 +91,86 @@ class SaveHandle:
             self._done.set()
 
 
-def _snapshot(prep) -> list:
-    """Make the prepared save independent of the caller's tensors; returns per group either
-    (host, rows, chunks per unit) for GPU-compressed groups or None (raw bytes copied, encoded
-    later). GPU groups are copied to the host on a side stream while the next group compresses;
-    at most two groups' compressed buffers are in flight."""
+class _OnGPU:
+    """A compressed group kept on the GPU during the snapshot; the background writer copies it
+    to the host arena (:meth:`fetch`) and then lets the GPU memory go."""
+
+    def __init__(self, buf: torch.Tensor, rel: list, per_unit: list, ready: list) -> None:
+        self.buf, self.rel, self.per_unit, self._ready = buf, rel, per_unit, ready
+
+    def fetch(self) -> tuple[torch.Tensor, list, list]:
+        buf, self.buf = self.buf, None
+        host = ARENA.take(buf.numel())
+        with torch.cuda.device(buf.device):
+            stream = _copy_stream(buf.device)
+            stream.wait_event(self._ready[0])
+            with torch.cuda.stream(stream):
+                host.copy_(buf, non_blocking=True)
+            stream.synchronize()
+        return host, self.rel, self.per_unit
+
+
+_STREAMS: dict = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for snapshot copies (created once: streams are not freed)."""
+    s = _STREAMS.get(device)
+    if s is None:
+        s = _STREAMS[device] = torch.cuda.Stream(device)
+    return s
+
+
+def _snapshot(prep, gpu_bytes: int | None) -> list:
+    """Make the prepared save independent of the caller's tensors; returns per group one of:
+    an :class:`_OnGPU` (compressed, packed into one GPU buffer: the snapshot is the compressed
+    bytes, copied to the host later by the writer), (host, rows, chunks per unit) for a group
+    copied to the host now (once the GPU snapshot would exceed ``gpu_bytes``), or None (raw bytes
+    copied to the host, encoded later: CPU codecs)."""
     # upper bound: stored bytes never exceed raw bytes; plus alignment padding per chunk and group
     bound = sum(u.data.numel() + 16 * len(u.sizes) for grp in prep.groups for u in grp) + 64 * len(prep.groups)
     ARENA.reset(bound)
+    if gpu_bytes is None and torch.cuda.is_available():
+        gpu_bytes = torch.cuda.mem_get_info()[0] // 4
     staged = []
+    held = 0
+    ready: list = [None]  # the event after the last GPU gather, shared by every _OnGPU
     inflight: deque = deque()
-    copy_stream = None
     for grp in prep.groups:
         if grp[0].plan.codec.device == "cuda":
             while len(inflight) >= 2:
                 inflight.popleft().synchronize()
             pieces = encode_group(grp)
             flat = [p for up in pieces for p in up]
-            if copy_stream is None:
-                copy_stream = torch.cuda.Stream()
-            ready = torch.cuda.Event()
-            ready.record()
+            per_unit = [len(up) for up in pieces]
+            del pieces
+            need = sum(p[2] + 16 for p in flat)
+            if held + need <= (gpu_bytes or 0):
+                buf, rel = gather_gpu(flat)
+                held += buf.numel()
+                staged.append(_OnGPU(buf, rel, per_unit, ready))
+                continue
+            # over the GPU snapshot budget: copy to the host now, on a side stream, while the next
+            # group compresses
+            copy_stream = _copy_stream(flat[0][0].device)
+            done_encoding = torch.cuda.Event()
+            done_encoding.record()
             with torch.cuda.stream(copy_stream):
-                copy_stream.wait_event(ready)
+                copy_stream.wait_event(done_encoding)
                 host, rel = stage_pieces(flat, ARENA.take, sync=False)
                 for t in {id(p[0]): p[0] for p in flat}.values():
                     t.record_stream(copy_stream)  # keep the allocator from reusing it too early
                 done = torch.cuda.Event()
                 done.record(copy_stream)
             inflight.append(done)
-            staged.append((host, rel, [len(up) for up in pieces]))
+            staged.append((host, rel, per_unit))
         else:
             for u in grp:
                 u.data = ARENA.take(u.data.numel()).copy_(u.data)
             staged.append(None)
+    if held:
+        ready[0] = torch.cuda.Event()
+        ready[0].record()
     for ev in inflight:
         ev.synchronize()
     return staged
@@ -131,11 +180,14 @@ def async_save(obj: Any, path, *, codec: str | dict = "auto", transform: str | N
                chunk_size: int = DEFAULT_CHUNK, level: int | None = None, metadata=None,
                allow_pickle: bool = False, fsync: bool = True, progress=None, device: str | None = None,
                portable: bool = False, storage_gbps: float | None = None, window: int | None = None,
-               reuse_plan: bool = True) -> SaveHandle:
+               reuse_plan: bool = True, gpu_snapshot_bytes: int | None = None) -> SaveHandle:
     """Like :func:`ckptzip.save` (same arguments), but returns once a consistent snapshot is taken
     (see the module docstring); the write goes on in the background. Errors surface on
     ``handle.wait()``. ``reuse_plan``: reuse the codec choices sampled for an earlier save of the
-    same layout (the usual case in a training loop), keeping sampling out of the stall."""
+    same layout (the usual case in a training loop), keeping sampling out of the stall.
+    ``gpu_snapshot_bytes``: how much GPU memory the compressed snapshot may hold until the
+    background thread has copied it to the host (default: a quarter of the free GPU memory);
+    groups beyond it are copied to the host before this call returns (a longer stall)."""
     global _LAST
     with _LAST_LOCK:
         prev = _LAST
@@ -144,7 +196,7 @@ def async_save(obj: Any, path, *, codec: str | dict = "auto", transform: str | N
     t0 = time.perf_counter()
     prep = _prepare(obj, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
                     storage_gbps, window, reuse_plan)
-    staged = _snapshot(prep)
+    staged = _snapshot(prep, gpu_snapshot_bytes)
     handle = SaveHandle()
     handle.path = str(path)
     handle.stall_s = time.perf_counter() - t0

@@ -5,8 +5,9 @@ memory any step holds is bounded by the window size, whatever the tensor's size.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import functools
 import queue
+from collections.abc import Callable, Iterator
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -42,13 +43,23 @@ def gpu_decode_window(budget: int | None = None) -> int:
 
 
 def gpu_window(budget: int | None = None) -> int:
-    """Window bytes for GPU work: peak extra memory is under 6 windows (staged input, planes,
-    compressed output at nvCOMP's worst-case size, transform temporaries), kept under ``budget``
-    (default: the smaller of 1 GiB and 10 % of free GPU memory)."""
+    """Window bytes for GPU work: peak extra memory is under 4 windows (the transformed window,
+    compressed output at nvCOMP's worst-case size, gather and staging slices), kept under
+    ``budget`` (default: the smaller of 1 GiB and 10 % of free GPU memory). Windows are as large
+    as that allows because nvCOMP's throughput grows with the bytes per call: ANS on H100 ran at
+    ~50 GB/s with 16 MB per call, ~150 with 64 MB and 300-400 with 256 MB
+    (bench/probe_throughput.py)."""
     if budget is None:
         free, _total = torch.cuda.mem_get_info()
         budget = min(1 << 30, free // 10)
-    return max(1 << 20, (budget // 6) >> 20 << 20)
+    return max(1 << 20, (budget // 4) >> 20 << 20)
+
+
+#: host tensors are moved to the GPU and transformed in slices of this size (whole transform
+#: blocks), so staging needs no window-sized GPU buffer
+STAGE_SLICE = 32 << 20
+#: GPU chunks are gathered for the device-to-host copy in slices of this size
+GATHER_SLICE = 64 << 20
 
 
 class PinnedPool:
@@ -70,26 +81,38 @@ PINNED = PinnedPool()
 
 def windows(nbytes: int, tf: BytePlane | None, chunk: int, window: int,
             plane_chunks: dict[int, int] | None = None
-            ) -> Iterator[tuple[int, int, list[int], list[int], list[int]]]:
+            ) -> tuple[tuple[int, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]:
     """(start, end, chunk offsets, chunk sizes, chunk planes) per window; offsets are relative to
     the window's transformed stream, which has the same length as the window; planes are the
     byteplane index of each chunk (-1 without a transform). ``plane_chunks`` overrides the chunk
-    size of some planes."""
-    plane_chunks = plane_chunks or {}
-    span = tf.block * tf.width if tf else chunk
+    size of some planes. Memoized: a training loop saves the same shapes again and again."""
+    tf_key = (tf.width, tf.block) if tf else None
+    return _windows(nbytes, tf_key, chunk, window, tuple(sorted((plane_chunks or {}).items())))
+
+
+@functools.lru_cache(maxsize=8192)
+def _windows(nbytes: int, tf_key: tuple[int, int] | None, chunk: int, window: int, plane_chunks: tuple):
+    pc = dict(plane_chunks)
+    width, block = tf_key if tf_key else (1, 0)
+    span = block * width if tf_key else chunk
     step = max(span, window // span * span)
+    out = []
     for a in range(0, nbytes, step):
         b = min(nbytes, a + step)
-        segs = tf.segments(b - a) if tf else [(0, b - a)]
         offs, sizes, planes = [], [], []
-        for k, (o, n) in enumerate(segs):
-            plane = k % tf.width if tf else -1
-            cs = plane_chunks.get(plane, chunk)
-            for c in range(0, n, cs):
-                offs.append(o + c)
-                sizes.append(min(cs, n - c))
-                planes.append(plane)
-        yield a, b, offs, sizes, planes
+        words = (b - a) // width
+        seg = 0
+        for start in range(0, words, block) if tf_key else [0]:
+            m = min(block, words - start) if tf_key else b - a
+            for plane in range(width) if tf_key else [-1]:
+                cs = pc.get(plane, chunk)
+                for c in range(0, m, cs):
+                    offs.append(seg + c)
+                    sizes.append(min(cs, m - c))
+                    planes.append(plane)
+                seg += m
+        out.append((a, b, tuple(offs), tuple(sizes), tuple(planes)))
+    return tuple(out)
 
 
 @dataclass
@@ -106,7 +129,7 @@ class Unit:
 
 def units_of(owner: int, data: torch.Tensor, plan: Plan, window: int, limit: int | None = None) -> list[Unit]:
     n = data.numel() if limit is None else min(limit, data.numel())
-    return [Unit(owner, data[a:b], plan, offs, sizes, planes)
+    return [Unit(owner, data if a == 0 and b == data.numel() else data[a:b], plan, offs, sizes, planes)
             for a, b, offs, sizes, planes in windows(n, plan.transform, plan.chunk_size, window, plan.plane_chunks)]
 
 
@@ -149,20 +172,18 @@ def encode_group(units: list[Unit]) -> list[list[tuple]]:
     for u in units:
         n = u.data.numel()
         u.base = pos
-        src = u.data
         if not single:
-            if src.device.type != dev:
-                if dev == "cuda":
-                    if staged is None:
-                        staged = PINNED.get("stage", total)
-                    staged[pos:pos + n].copy_(src)
-                    src = staged[pos:pos + n].to(dev, non_blocking=True)
-                else:
-                    src = src.to(dev)
-            if u.plan.transform is not None:
-                u.plan.transform.encode(src, out=stream[pos:pos + n])
+            if u.data.device.type != dev and dev == "cuda":
+                if staged is None:
+                    staged = PINNED.get("stage", total)
+                staged[pos:pos + n].copy_(u.data)
+                _upload(staged[pos:pos + n], stream[pos:pos + n], u.plan.transform)
             else:
-                stream[pos:pos + n].copy_(src)
+                src = u.data if u.data.device.type == dev else u.data.to(dev)
+                if u.plan.transform is not None:
+                    u.plan.transform.encode(src, out=stream[pos:pos + n])
+                else:
+                    stream[pos:pos + n].copy_(src)
         pos += _ceil16(n)
     out = [[(stream, u.base + o, n, n, FLAG_STORED_RAW) for o, n in zip(u.offs, u.sizes)] for u in units]
     by_codec: dict[tuple, tuple[Codec, list]] = {}
@@ -183,14 +204,26 @@ def encode_group(units: list[Unit]) -> list[list[tuple]]:
     return out
 
 
+def _upload(host: torch.Tensor, dst: torch.Tensor, tf: BytePlane | None) -> None:
+    """Copy pinned ``host`` bytes to the GPU into ``dst``, transformed, in slices of whole
+    transform blocks (a block's planes occupy exactly the block's byte range)."""
+    if tf is None:
+        dst.copy_(host, non_blocking=True)
+        return
+    span = tf.block * tf.width
+    step = max(span, STAGE_SLICE // span * span)
+    for a in range(0, host.numel(), step):
+        b = min(host.numel(), a + step)
+        tf.encode(host[a:b].to(dst.device, non_blocking=True), out=dst[a:b])
+
+
 ALIGN = 16  # every chunk starts at a 16-byte aligned file offset (nvCOMP's strictest alignment)
 
 
-def stage_pieces(pieces: list[tuple], alloc: Callable[[int], torch.Tensor], sync: bool = True
-                 ) -> tuple[torch.Tensor, list[list]]:
-    """Copy GPU chunk pieces into one host buffer from ``alloc(n)`` at 16-byte aligned offsets
-    (runs of adjacent chunks in one copy, on the current stream) and, with ``sync``, wait for the
-    copies. Returns the buffer and rows [relative offset, stored, raw, 0, flags]."""
+def _layout(pieces: list[tuple]) -> tuple[list[list], list[list], list[tuple[int, int]], int]:
+    """Rows [relative offset, stored, raw, 0, flags] of ``pieces`` packed at 16-byte aligned
+    offsets, the copy runs [tensor, offset, packed offset, length] (adjacent chunks merged), the
+    padding gaps and the packed size."""
     rel, runs, pads, pos = [], [], [], 0
     for t, so, ln, raw, flags in pieces:
         pad = (-pos) % ALIGN
@@ -204,19 +237,48 @@ def stage_pieces(pieces: list[tuple], alloc: Callable[[int], torch.Tensor], sync
             r[3] += ln
         else:
             runs.append([t, so, off, ln])
+    return rel, runs, pads, pos
+
+
+def _gathered(runs: list[list], limit: int | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(start, end, one GPU tensor of the packed bytes) per slice of about ``limit`` bytes: the
+    runs and zero padding concatenated on the GPU by a few batched copy kernels."""
+    zeros = torch.zeros(ALIGN, dtype=torch.uint8, device=runs[0][0].device)
+    views, at, start = [], 0, 0
+    for t, so, ho, ln in runs:
+        if ho > at:
+            views.append(zeros[:ho - at])
+        views.append(t[so:so + ln])
+        at = ho + ln
+        if limit is not None and at - start >= limit:
+            yield start, at, torch.cat(views)
+            views, start = [], at
+    if views:
+        yield start, at, torch.cat(views)
+
+
+def gather_gpu(pieces: list[tuple]) -> tuple[torch.Tensor, list[list]]:
+    """The GPU chunk ``pieces`` packed into one new GPU tensor (as :func:`stage_pieces` packs
+    them on the host); returns it and the rows."""
+    rel, runs, _pads, _pos = _layout(pieces)
+    if not runs:
+        return torch.empty(0, dtype=torch.uint8, device=pieces[0][0].device if pieces else "cuda"), rel
+    (_s, _e, buf), = _gathered(runs)
+    return buf, rel
+
+
+def stage_pieces(pieces: list[tuple], alloc: Callable[[int], torch.Tensor], sync: bool = True
+                 ) -> tuple[torch.Tensor, list[list]]:
+    """Copy GPU chunk pieces into one host buffer from ``alloc(n)`` at 16-byte aligned offsets
+    (on the current stream) and, with ``sync``, wait for the copies. Returns the buffer and rows
+    [relative offset, stored, raw, 0, flags]."""
+    rel, runs, pads, pos = _layout(pieces)
     host = alloc(pos)
     if runs and runs[0][0].is_cuda and len(runs) > 8:
-        # gather on the GPU (a few batched copy kernels), then one device-to-host copy: far
-        # cheaper than one small copy per chunk
-        dev = runs[0][0].device
-        zeros = torch.zeros(ALIGN, dtype=torch.uint8, device=dev)
-        views, at = [], 0
-        for t, so, ho, ln in runs:
-            if ho > at:
-                views.append(zeros[:ho - at])
-            views.append(t[so:so + ln])
-            at = ho + ln
-        host.copy_(torch.cat(views), non_blocking=True)
+        # gather on the GPU in slices, one device-to-host copy per slice: far cheaper than one
+        # small copy per chunk, and bounded in GPU memory
+        for a, b, buf in _gathered(runs, GATHER_SLICE):
+            host[a:b].copy_(buf, non_blocking=True)
     else:
         for ho, ln in pads:
             host[ho:ho + ln].zero_()
