@@ -7,8 +7,8 @@ import time
 import torch
 
 from ckptzip.planner import Planner
-from ckptzip.engine import (DEFAULT_WINDOW, Job, decode_group, encode_group, gather_gpu, gpu_window,
-                            rows_array, stage_pieces, units_of)
+from ckptzip.engine import (DEFAULT_WINDOW, Job, decode_group, encode_group_arrays, gather_gpu,
+                            gpu_window, rows_array, stage_encoded, units_of)
 from ckptzip.tree import StorageRef
 
 
@@ -35,12 +35,12 @@ def measure(t: torch.Tensor, codec="auto", reps=3, portable=False, device="cuda"
         _sync(device)
         t0 = time.perf_counter()
         for u in units:
-            (pieces,) = encode_group([u])
+            enc = encode_group_arrays([u])
             if device == "cuda":
-                buf, rel = gather_gpu(pieces)
+                buf, rel = gather_gpu(enc)
             else:
-                buf, rel = stage_pieces(pieces, lambda k: torch.empty(k, dtype=torch.uint8), sync=False)
-            del pieces
+                buf, rel = stage_encoded(enc, lambda k: torch.empty(k, dtype=torch.uint8), sync=False)
+            del enc
             packed.append((u, buf, rel))
         _sync(device)
         best_e = min(best_e, time.perf_counter() - t0)

@@ -288,14 +288,36 @@ def stall():
         return f
     asyncsave._prepare = wrap("prepare", asyncsave._prepare)
     asyncsave._snapshot = wrap("snapshot", asyncsave._snapshot)
+    from ckptzip import api, engine, transforms
+    from ckptzip.codecs import gpu as gpuc
+    for name, mod, attr in (("encode_group", asyncsave, "encode_group"), ("gather_gpu", asyncsave, "gather_gpu"),
+                            ("tree_encode", api.Encoder, "encode"), ("plan_all", api.Planner, "plan_all"),
+                            ("units_of", api, "units_of"), ("nvcomp_encode", gpuc.NvcompCodec, "encode"),
+                            ("byteplane_encode", transforms.BytePlane, "encode"),
+                            ("foreach_copy", engine.torch, "_foreach_copy_")):
+        phases[name] = []
+        orig = getattr(mod, attr)
+
+        def timed_fn(*a, _o=orig, _n=name, **k):
+            if _n == "tree_encode" and len(a) > 2:  # time only the outermost call
+                return _o(*a, **k)
+            t = time.perf_counter()
+            r = _o(*a, **k)
+            phases[_n].append(time.perf_counter() - t)
+            return r
+        setattr(mod, attr, timed_fn)
     times = []
-    for i in range(4):
+    for i in range(6):
+        if i == 5:
+            for v in phases.values():
+                v.clear()
         torch.cuda.synchronize()
         t = time.perf_counter()
         h = ckptzip.async_save(state, f"/tmp/probe/s{i}.ckz")
         torch.cuda.current_stream().synchronize()
         times.append(time.perf_counter() - t)
         h.wait()
+    summary = {k: (len(v), round(sum(v) * 1e3, 2)) for k, v in phases.items()}
     pr = cProfile.Profile()
     torch.cuda.synchronize()
     pr.enable()
@@ -304,8 +326,8 @@ def stall():
     h.wait()
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
-    res["stall"] = {"times_s": times, "phases": phases, "profile_tottime": s.getvalue()[-6000:]}
-    print(res["stall"]["times_s"], phases, res["stall"]["profile_tottime"], flush=True)
+    res["stall"] = {"times_s": times, "last_save_phases_count_ms": summary, "profile_tottime": s.getvalue()[-6000:]}
+    print("stall times", res["stall"]["times_s"], "\nlast save phases (calls, ms):", summary, flush=True)
 
 
 if __name__ == "__main__":

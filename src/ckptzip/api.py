@@ -11,7 +11,7 @@ import torch
 
 from . import __version__
 from .codecs.base import MAX_CHUNK
-from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, ChunkWriter, Job, decode_jobs, encode_group,
+from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, ChunkWriter, Job, decode_jobs, encode_group_arrays,
                      gpu_decode_window, gpu_window, groups, storage_plan_from_manifest, units_of)
 from .planner import Planner, gpu_ok
 from .errors import CorruptFileError, TensorNotFoundError
@@ -69,10 +69,10 @@ def _write(prep: _Prepared, path, fsync: bool, progress: Progress | None, staged
                     w.add_staged(host, rel)
                     del ent
                 else:
-                    pieces = encode_group(grp)
-                    w.add([p for unit_pieces in pieces for p in unit_pieces])
-                    per_unit = [len(p) for p in pieces]
-                    del pieces  # free this group's GPU buffers before the next is encoded
+                    enc = encode_group_arrays(grp)
+                    w.add(enc)
+                    per_unit = enc.counts
+                    del enc  # free this group's GPU buffers before the next is encoded
                 for u, n in zip(grp, per_unit):
                     counts[u.owner] += n
                 if progress:

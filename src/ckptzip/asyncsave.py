@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .api import _prepare, _write
-from .engine import DEFAULT_CHUNK, encode_group, gather_gpu, stage_pieces
+from .engine import DEFAULT_CHUNK, encode_group_arrays, gather_gpu
 
 
 class Arena:
@@ -140,26 +140,24 @@ def _snapshot(prep, gpu_bytes: int | None) -> list:
         if grp[0].plan.codec.device == "cuda":
             while len(inflight) >= 2:
                 inflight.popleft().synchronize()
-            pieces = encode_group(grp)
-            flat = [p for up in pieces for p in up]
-            per_unit = [len(up) for up in pieces]
-            del pieces
-            need = sum(p[2] + 16 for p in flat)
-            if held + need <= (gpu_bytes or 0):
-                buf, rel = gather_gpu(flat)
+            enc = encode_group_arrays(grp)
+            buf, rel = gather_gpu(enc)
+            per_unit = enc.counts
+            del enc
+            if held + buf.numel() <= (gpu_bytes or 0):
                 held += buf.numel()
                 staged.append(_OnGPU(buf, rel, per_unit, ready))
                 continue
             # over the GPU snapshot budget: copy to the host now, on a side stream, while the next
             # group compresses
-            copy_stream = _copy_stream(flat[0][0].device)
-            done_encoding = torch.cuda.Event()
-            done_encoding.record()
+            copy_stream = _copy_stream(buf.device)
+            packed = torch.cuda.Event()
+            packed.record()
             with torch.cuda.stream(copy_stream):
-                copy_stream.wait_event(done_encoding)
-                host, rel = stage_pieces(flat, ARENA.take, sync=False)
-                for t in {id(p[0]): p[0] for p in flat}.values():
-                    t.record_stream(copy_stream)  # keep the allocator from reusing it too early
+                copy_stream.wait_event(packed)
+                host = ARENA.take(buf.numel())
+                host.copy_(buf, non_blocking=True)
+                buf.record_stream(copy_stream)  # keep the allocator from reusing it too early
                 done = torch.cuda.Event()
                 done.record(copy_stream)
             inflight.append(done)

@@ -58,8 +58,6 @@ def gpu_window(budget: int | None = None) -> int:
 #: host tensors are moved to the GPU and transformed in slices of this size (whole transform
 #: blocks), so staging needs no window-sized GPU buffer
 STAGE_SLICE = 32 << 20
-#: GPU chunks are gathered for the device-to-host copy in slices of this size
-GATHER_SLICE = 64 << 20
 
 
 class PinnedPool:
@@ -111,7 +109,12 @@ def _windows(nbytes: int, tf_key: tuple[int, int] | None, chunk: int, window: in
                     sizes.append(min(cs, m - c))
                     planes.append(plane)
                 seg += m
-        out.append((a, b, tuple(offs), tuple(sizes), tuple(planes)))
+        arrs = []
+        for x in (offs, sizes, planes):
+            arr = np.array(x, dtype=np.int64)
+            arr.flags.writeable = False  # shared by every caller of this memoized layout
+            arrs.append(arr)
+        out.append((a, b, *arrs))
     return tuple(out)
 
 
@@ -158,10 +161,53 @@ def _codec_key(c: Codec) -> tuple:
     return (type(c).__name__, repr(sorted(c.config.items())))
 
 
+@dataclass
+class Encoded:
+    """A compressed group: per chunk (in unit order) the source tensor (an index into
+    ``tensors``: 0 is the transformed group stream, then one output buffer per codec call), the
+    offset there, stored bytes, raw bytes and flags; ``counts`` is the number of chunks per
+    unit."""
+    tensors: list
+    src: np.ndarray
+    soff: np.ndarray
+    stored: np.ndarray
+    raw: np.ndarray
+    flags: np.ndarray
+    counts: list
+
+    def pieces(self) -> list[list[tuple]]:
+        """Per unit, its chunks as (tensor, offset, stored, raw, flags)."""
+        flat = [(self.tensors[t], o, n, r, f) for t, o, n, r, f in zip(
+            self.src.tolist(), self.soff.tolist(), self.stored.tolist(), self.raw.tolist(), self.flags.tolist())]
+        out, k = [], 0
+        for c in self.counts:
+            out.append(flat[k:k + c])
+            k += c
+        return out
+
+    def packed(self) -> tuple[np.ndarray, int]:
+        """16-byte aligned offsets of the chunks packed back to back, and the packed size."""
+        padded = (self.stored + ALIGN - 1) // ALIGN * ALIGN
+        offs = np.zeros(len(padded), dtype=np.int64)
+        np.cumsum(padded[:-1], out=offs[1:])
+        return offs, int(padded.sum())
+
+    def rows(self, offs: np.ndarray) -> list[list]:
+        """Table rows [offset, stored, raw, 0, flags] for chunks placed at ``offs``."""
+        z = [0] * len(offs)
+        return [list(r) for r in zip(offs.tolist(), self.stored.tolist(), self.raw.tolist(), z, self.flags.tolist())]
+
+
 def encode_group(units: list[Unit]) -> list[list[tuple]]:
+    """:func:`encode_group_arrays`, returned per unit as writer pieces (tensor, offset, stored
+    bytes, raw bytes, flags)."""
+    return encode_group_arrays(units).pieces()
+
+
+def encode_group_arrays(units: list[Unit]) -> Encoded:
     """Transform every unit into one group stream on the codec device and compress all chunks of
-    each codec in one call. Returns, per unit, its chunks as writer pieces
-    (tensor, offset, stored bytes, raw bytes, flags); a chunk that does not shrink stays raw."""
+    each codec in one call; a chunk that does not shrink stays raw. Chunk bookkeeping is done
+    with numpy arrays: a group holds thousands of chunks."""
     dev = units[0].plan.codec.device
     # each unit starts 16-byte aligned in the group stream, so nvCOMP reads chunks in place
     total = sum(_ceil16(u.data.numel()) for u in units)
@@ -169,10 +215,11 @@ def encode_group(units: list[Unit]) -> list[list[tuple]]:
     stream = units[0].data if single else torch.empty(total, dtype=torch.uint8, device=dev)
     staged = None
     pos = 0
+    copies: tuple[list, list] = ([], [])  # plain same-device copies, done in one batched call
     for u in units:
         n = u.data.numel()
         u.base = pos
-        if not single:
+        if not single and n:
             if u.data.device.type != dev and dev == "cuda":
                 if staged is None:
                     staged = PINNED.get("stage", total)
@@ -183,25 +230,78 @@ def encode_group(units: list[Unit]) -> list[list[tuple]]:
                 if u.plan.transform is not None:
                     u.plan.transform.encode(src, out=stream[pos:pos + n])
                 else:
-                    stream[pos:pos + n].copy_(src)
+                    copies[0].append(stream[pos:pos + n])
+                    copies[1].append(src)
         pos += _ceil16(n)
-    out = [[(stream, u.base + o, n, n, FLAG_STORED_RAW) for o, n in zip(u.offs, u.sizes)] for u in units]
+    if copies[0]:
+        torch._foreach_copy_(*copies)
+    counts = [len(u.sizes) for u in units]
+    soff = np.concatenate([np.asarray(u.offs, dtype=np.int64) + u.base for u in units]) if units else np.zeros(0, np.int64)
+    raw = np.concatenate([np.asarray(u.sizes, dtype=np.int64) for u in units]) if units else np.zeros(0, np.int64)
+    stored = raw.copy()
+    src = np.zeros(len(raw), dtype=np.int64)
+    flags = np.full(len(raw), FLAG_STORED_RAW, dtype=np.uint8)
+    tensors = [stream]
     by_codec: dict[tuple, tuple[Codec, list]] = {}
-    for ui, u in enumerate(units):
-        items = by_codec.setdefault(_codec_key(u.plan.codec), (u.plan.codec, []))[1]
-        for k, (o, n, p) in enumerate(zip(u.offs, u.sizes, u.planes)):
-            if p not in u.plan.raw_planes:
-                items.append((ui, k, u.base + o, n))
-    for codec, items in by_codec.values():
-        if not items:
+    k = 0
+    for u, c in zip(units, counts):
+        sel = np.arange(k, k + c)
+        if u.plan.raw_planes:
+            sel = sel[~np.isin(np.asarray(u.planes), list(u.plan.raw_planes))]
+        by_codec.setdefault(_codec_key(u.plan.codec), (u.plan.codec, []))[1].append(sel)
+        k += c
+    for codec, sels in by_codec.values():
+        idx = np.concatenate(sels)
+        if not len(idx):
             continue
-        comp, doffs, dsizes = codec.encode(stream, [it[2] for it in items], [it[3] for it in items])
-        for (ui, k, _so, n), co, cn in zip(items, doffs, dsizes):
-            if cn < n:
-                out[ui][k] = (comp, co, cn, n, 0)
+        comp, doffs, dsizes = codec.encode(stream, soff[idx].tolist(), raw[idx].tolist())
+        dsizes = np.asarray(dsizes, dtype=np.int64)
+        shrink = dsizes < raw[idx]
+        hit = idx[shrink]
+        src[hit] = len(tensors)
+        soff[hit] = np.asarray(doffs, dtype=np.int64)[shrink]
+        stored[hit] = dsizes[shrink]
+        flags[hit] = 0
+        tensors.append(comp)
     if staged is not None:
         torch.cuda.current_stream().synchronize()  # the staging buffer may be reused next group
-    return out
+    return Encoded(tensors, src, soff, stored, raw, flags, counts)
+
+
+def copy_segments(src: torch.Tensor, soffs: np.ndarray, dst: torch.Tensor, doffs: np.ndarray,
+                  lens: np.ndarray) -> None:
+    """dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]] for every i (flat uint8 tensors, same
+    device). On CUDA, segments of 1 MiB or more are plain copies and the rest go to one Triton
+    kernel launch; elsewhere, one copy per segment."""
+    if not len(lens):
+        return
+    # merge runs of segments that are adjacent on both sides
+    brk = np.ones(len(lens), dtype=bool)
+    brk[1:] = (soffs[1:] != soffs[:-1] + lens[:-1]) | (doffs[1:] != doffs[:-1] + lens[:-1])
+    if not brk.all():
+        starts = np.nonzero(brk)[0]
+        lens, soffs, doffs = np.add.reduceat(lens, starts), soffs[starts], doffs[starts]
+    if src.is_cuda:
+        from .transforms import _triton
+        tk = _triton()
+        if tk is not None:
+            big = lens >= (1 << 20)
+            for s, d, n in zip(soffs[big].tolist(), doffs[big].tolist(), lens[big].tolist()):
+                dst[d:d + n].copy_(src[s:s + n])
+            small = ~big
+            if small.any():
+                tk.copy_segments(src, soffs[small], dst, doffs[small], lens[small])
+            return
+    for s, d, n in zip(soffs.tolist(), doffs.tolist(), lens.tolist()):
+        dst[d:d + n].copy_(src[s:s + n])
+
+
+def pack(enc: Encoded, out: torch.Tensor, offs: np.ndarray) -> None:
+    """Copy every chunk of ``enc`` into ``out`` (zeroed where nothing is copied) at ``offs``."""
+    for t in range(len(enc.tensors)):
+        sel = np.nonzero(enc.src == t)[0]
+        if len(sel):
+            copy_segments(enc.tensors[t], enc.soff[sel], out, offs[sel], enc.stored[sel])
 
 
 def _upload(host: torch.Tensor, dst: torch.Tensor, tf: BytePlane | None) -> None:
@@ -220,73 +320,35 @@ def _upload(host: torch.Tensor, dst: torch.Tensor, tf: BytePlane | None) -> None
 ALIGN = 16  # every chunk starts at a 16-byte aligned file offset (nvCOMP's strictest alignment)
 
 
-def _layout(pieces: list[tuple]) -> tuple[list[list], list[list], list[tuple[int, int]], int]:
-    """Rows [relative offset, stored, raw, 0, flags] of ``pieces`` packed at 16-byte aligned
-    offsets, the copy runs [tensor, offset, packed offset, length] (adjacent chunks merged), the
-    padding gaps and the packed size."""
-    rel, runs, pads, pos = [], [], [], 0
-    for t, so, ln, raw, flags in pieces:
-        pad = (-pos) % ALIGN
-        if pad:
-            pads.append((pos, pad))
-        off = pos + pad
-        pos = off + ln
-        rel.append([off, ln, raw, 0, flags])
-        r = runs[-1] if runs else None
-        if r is not None and r[0] is t and r[1] + r[3] == so and r[2] + r[3] == off:
-            r[3] += ln
-        else:
-            runs.append([t, so, off, ln])
-    return rel, runs, pads, pos
+def gather_gpu(enc: Encoded) -> tuple[torch.Tensor, list[list]]:
+    """The chunks of a GPU group packed into one new GPU tensor at 16-byte aligned offsets (zero
+    padding between); returns it and the rows [relative offset, stored, raw, 0, flags]."""
+    offs, total = enc.packed()
+    buf = torch.zeros(total, dtype=torch.uint8, device=enc.tensors[0].device)
+    pack(enc, buf, offs)
+    return buf, enc.rows(offs)
 
 
-def _gathered(runs: list[list], limit: int | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """(start, end, one GPU tensor of the packed bytes) per slice of about ``limit`` bytes: the
-    runs and zero padding concatenated on the GPU by a few batched copy kernels."""
-    zeros = torch.zeros(ALIGN, dtype=torch.uint8, device=runs[0][0].device)
-    views, at, start = [], 0, 0
-    for t, so, ho, ln in runs:
-        if ho > at:
-            views.append(zeros[:ho - at])
-        views.append(t[so:so + ln])
-        at = ho + ln
-        if limit is not None and at - start >= limit:
-            yield start, at, torch.cat(views)
-            views, start = [], at
-    if views:
-        yield start, at, torch.cat(views)
-
-
-def gather_gpu(pieces: list[tuple]) -> tuple[torch.Tensor, list[list]]:
-    """The GPU chunk ``pieces`` packed into one new GPU tensor (as :func:`stage_pieces` packs
-    them on the host); returns it and the rows."""
-    rel, runs, _pads, _pos = _layout(pieces)
-    if not runs:
-        return torch.empty(0, dtype=torch.uint8, device=pieces[0][0].device if pieces else "cuda"), rel
-    (_s, _e, buf), = _gathered(runs)
-    return buf, rel
-
-
-def stage_pieces(pieces: list[tuple], alloc: Callable[[int], torch.Tensor], sync: bool = True
-                 ) -> tuple[torch.Tensor, list[list]]:
-    """Copy GPU chunk pieces into one host buffer from ``alloc(n)`` at 16-byte aligned offsets
-    (on the current stream) and, with ``sync``, wait for the copies. Returns the buffer and rows
-    [relative offset, stored, raw, 0, flags]."""
-    rel, runs, pads, pos = _layout(pieces)
-    host = alloc(pos)
-    if runs and runs[0][0].is_cuda and len(runs) > 8:
-        # gather on the GPU in slices, one device-to-host copy per slice: far cheaper than one
-        # small copy per chunk, and bounded in GPU memory
-        for a, b, buf in _gathered(runs, GATHER_SLICE):
-            host[a:b].copy_(buf, non_blocking=True)
-    else:
-        for ho, ln in pads:
-            host[ho:ho + ln].zero_()
-        for t, so, ho, ln in runs:
-            host[ho:ho + ln].copy_(t[so:so + ln], non_blocking=True)
+def stage_encoded(enc: Encoded, alloc: Callable[[int], torch.Tensor], sync: bool = True
+                  ) -> tuple[torch.Tensor, list[list]]:
+    """The chunks of a group copied into one host buffer from ``alloc(n)`` (packed as
+    :func:`gather_gpu` does; GPU groups are packed on the GPU, then copied once) and, with
+    ``sync``, waits for the copies."""
+    dev = enc.tensors[0].device
+    if dev.type != "cuda":
+        offs, total = enc.packed()
+        host = alloc(total)
+        host.zero_()
+        pack(enc, host, offs)
+        return host, enc.rows(offs)
+    buf, rows = gather_gpu(enc)
+    host = alloc(buf.numel())
+    host.copy_(buf, non_blocking=True)
     if sync:
         torch.cuda.current_stream().synchronize()
-    return host, rel
+    else:
+        buf.record_stream(torch.cuda.current_stream())
+    return host, rows
 
 
 class ChunkWriter:
@@ -307,18 +369,18 @@ class ChunkWriter:
         self.pos = off + n
         return pad, off
 
-    def add(self, pieces: list[tuple[torch.Tensor, int, int, int, int]]) -> None:
-        """Append chunks given as (tensor, offset, stored bytes, raw bytes, flags), in order.
-        CPU tensors are written at once; CUDA ones go through a pinned buffer (runs of adjacent
-        chunks in one copy) to the writer thread."""
-        if not pieces:
+    def add(self, enc: Encoded) -> None:
+        """Append a group's chunks, in order. CPU groups are written at once; GPU ones are packed
+        on the GPU, copied into a pinned buffer and handed to the writer thread."""
+        if not len(enc.stored):
             return
-        if pieces[0][0].device.type != "cuda" and self._q is None:
-            for t, so, ln, raw, flags in pieces:
+        if enc.tensors[0].device.type != "cuda" and self._q is None:
+            for t, so, ln, raw, flags in zip(enc.src.tolist(), enc.soff.tolist(), enc.stored.tolist(),
+                                             enc.raw.tolist(), enc.flags.tolist()):
                 pad, off = self._place(ln)
                 if pad:
                     self.f.write(b"\0" * pad)
-                mv = memoryview(t[so:so + ln].numpy())
+                mv = memoryview(enc.tensors[t][so:so + ln].numpy())
                 self.f.write(mv)
                 self.rows.append([off, ln, raw, checksum(mv), flags])
             return
@@ -326,11 +388,11 @@ class ChunkWriter:
         self._start_thread()
         slot = self._free.get()
         self._check()
-        host, rel = stage_pieces(pieces, lambda n: PINNED.get(f"write{slot}", n))
+        host, rel = stage_encoded(enc, lambda n: PINNED.get(f"write{slot}", n))
         self._enqueue(slot, host, rel)
 
     def add_staged(self, host: torch.Tensor, rel: list[list]) -> None:
-        """Append a group staged earlier by :func:`stage_pieces` (its buffer is not recycled)."""
+        """Append a group staged earlier by :func:`stage_encoded` (its buffer is not recycled)."""
         self._check()
         self._start_thread()
         self._enqueue(None, host, rel)
@@ -491,34 +553,29 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
 
 def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: list, work: str) -> None:
     """Decode a group of batches (``rows`` concatenated in group order, already verified): raw
-    chunk runs are copied, codec chunks go to one call per codec, transforms are undone per batch."""
-    stored, raws, flags = rows["stored"].tolist(), rows["raw"].tolist(), rows["flags"].tolist()
-    total = int(sum(raws))
+    chunks are copied, codec chunks go to one call per codec, transforms are undone per batch."""
+    stored = rows["stored"].astype(np.int64)
+    raws = rows["raw"].astype(np.int64)
+    soffs = np.asarray(soffs, dtype=np.int64)
+    total = int(raws.sum())
     direct = len(grp) == 1 and grp[0][0].tf is None and grp[0][0].out.device.type == work
     stream = grp[0][0].out[grp[0][3]:grp[0][4]] if direct else torch.empty(total, dtype=torch.uint8, device=work)
-    roffs = np.concatenate([[0], np.cumsum(raws)[:-1]]).astype(np.int64).tolist() if raws else []
-    owner = []
-    for gi, (job, i, j, _a, _b) in enumerate(grp):
-        owner += [gi] * (j - i)
-    k, n = 0, len(raws)
-    while k < n:
-        if flags[k] != FLAG_STORED_RAW:
-            k += 1
-            continue
-        j = k + 1
-        while j < n and flags[j] == FLAG_STORED_RAW and soffs[j] == soffs[j - 1] + stored[j - 1]:
-            j += 1
-        ln = roffs[j - 1] + raws[j - 1] - roffs[k]
-        stream[roffs[k]:roffs[k] + ln].copy_(src[soffs[k]:soffs[k] + ln])
-        k = j
-    by_codec: dict[tuple, tuple[Codec, list[int]]] = {}
-    for k in range(n):
-        if flags[k] != FLAG_STORED_RAW:
-            c = grp[owner[k]][0].codec
-            by_codec.setdefault(_codec_key(c), (c, []))[1].append(k)
-    for codec, ks in by_codec.values():
-        codec.decode(src, [soffs[k] for k in ks], [stored[k] for k in ks],
-                     stream, [roffs[k] for k in ks], [raws[k] for k in ks])
+    roffs = np.zeros(len(raws), dtype=np.int64)
+    np.cumsum(raws[:-1], out=roffs[1:])
+    is_raw = rows["flags"] == FLAG_STORED_RAW
+    copy_segments(src, soffs[is_raw], stream, roffs[is_raw], raws[is_raw])
+    keys: dict[tuple, int] = {}
+    codecs, job_key = [], []
+    for job, _i, _j, _a, _b in grp:
+        k = keys.setdefault(_codec_key(job.codec), len(keys))
+        if k == len(codecs):
+            codecs.append(job.codec)
+        job_key.append(k)
+    key_of_row = np.repeat(np.asarray(job_key, dtype=np.int64), [j - i for _job, i, j, _a, _b in grp])
+    for k, codec in enumerate(codecs):
+        ks = np.nonzero(~is_raw & (key_of_row == k))[0]
+        if len(ks):
+            codec.decode(src, soffs[ks].tolist(), stored[ks].tolist(), stream, roffs[ks].tolist(), raws[ks].tolist())
     if direct:
         return
     pos = 0

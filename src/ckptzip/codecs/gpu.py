@@ -14,6 +14,7 @@ import functools
 import threading
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from ..errors import CodecError, GPURequiredError, UnknownCodecError
@@ -121,7 +122,7 @@ class NvcompCodec(Codec):
     def _aligned(self, src: torch.Tensor, offsets, sizes):
         """(buffer, offsets) with every chunk start aligned; copies only if needed."""
         a = self._align
-        if all(o % a == 0 for o in offsets) and src.data_ptr() % a == 0:
+        if src.data_ptr() % a == 0 and not (np.asarray(offsets, dtype=np.int64) % a).any():
             return src, list(offsets)
         new, pos = _packed(sizes, a)
         buf = torch.empty(max(pos, 1), dtype=torch.uint8, device=src.device)
@@ -130,12 +131,14 @@ class NvcompCodec(Codec):
         return buf, new
 
     def _check_sizes(self, sizes) -> None:
-        for n in sizes:
-            if not 1 <= n <= self.max_chunk:
-                raise CodecError(f"nvCOMP {self.algorithm}: chunk of {n} bytes outside [1, {self.max_chunk}]")
+        arr = np.asarray(sizes, dtype=np.int64)
+        bad = (arr < 1) | (arr > self.max_chunk)
+        if bad.any():
+            n = int(arr[bad][0])
+            raise CodecError(f"nvCOMP {self.algorithm}: chunk of {n} bytes outside [1, {self.max_chunk}]")
         dt = self.config.get("data_type", "|u1")
         w = int(dt[-1]) if dt[-1].isdigit() else 1
-        if any(n % w for n in sizes):
+        if w > 1 and (arr % w).any():
             raise CodecError(f"nvCOMP {self.algorithm}: chunk sizes must be multiples of {w} for {dt}")
 
     def encode(self, src, offsets, sizes):
@@ -170,9 +173,8 @@ class NvcompCodec(Codec):
             src = src.to(dst.device, non_blocking=True)
         sbuf, soffs = self._aligned(src, src_offsets, src_sizes)
         a = self._align
-        base_ok = dst.data_ptr() % a == 0
-        direct = [i for i, o in enumerate(dst_offsets) if base_ok and o % a == 0]
-        staged = [i for i, o in enumerate(dst_offsets) if not (base_ok and o % a == 0)]
+        ok = (np.asarray(dst_offsets, dtype=np.int64) % a == 0) & (dst.data_ptr() % a == 0)
+        direct, staged = np.nonzero(ok)[0].tolist(), np.nonzero(~ok)[0].tolist()
         toffs, pos = _packed([dst_sizes[i] for i in staged], a)
         tmp = torch.empty(pos, dtype=torch.uint8, device=dst.device) if staged else None
         groups = [(direct, dst, [dst_offsets[i] for i in direct]), (staged, tmp, toffs)]
