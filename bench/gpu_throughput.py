@@ -4,11 +4,12 @@ host copies. Used by bench/run_bench.py and on its own: python bench/gpu_through
 import json
 import time
 
+import numpy as np
 import torch
 
 from ckptzip.planner import Planner
 from ckptzip.engine import (DEFAULT_WINDOW, Job, decode_group, encode_group_arrays, gather_gpu,
-                            gpu_window, rows_array, stage_encoded, units_of)
+                            gpu_window, stage_encoded, units_of)
 from ckptzip.tree import StorageRef
 
 
@@ -41,18 +42,17 @@ def measure(t: torch.Tensor, codec="auto", reps=3, portable=False, device="cuda"
             else:
                 buf, rel = stage_encoded(enc, lambda k: torch.empty(k, dtype=torch.uint8), sync=False)
             del enc
-            packed.append((u, buf, rel))
+            packed.append((u, buf, rel, rel["offset"].astype(np.int64)))
         _sync(device)
         best_e = min(best_e, time.perf_counter() - t0)
-        total = sum(r[1] for _u, _b, rel in packed for r in rel)
+        total = sum(int(rel["stored"].sum()) for _u, _b, rel, _o in packed)
         dst.zero_()
         _sync(device)
         t0 = time.perf_counter()
         a = 0
-        for u, buf, rel in packed:
-            rows = rows_array(rel)
+        for u, buf, rows, soffs in packed:
             b = a + u.data.numel()
-            decode_group(buf, rows["offset"].tolist(), rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), a, b)], device)
+            decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), a, b)], device)
             a = b
         _sync(device)
         best_d = min(best_d, time.perf_counter() - t0)

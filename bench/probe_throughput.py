@@ -290,7 +290,7 @@ def stall():
     asyncsave._snapshot = wrap("snapshot", asyncsave._snapshot)
     from ckptzip import api, engine, transforms
     from ckptzip.codecs import gpu as gpuc
-    for name, mod, attr in (("encode_group", asyncsave, "encode_group"), ("gather_gpu", asyncsave, "gather_gpu"),
+    for name, mod, attr in (("encode_group", asyncsave, "encode_group_arrays"), ("gather_gpu", asyncsave, "gather_gpu"),
                             ("tree_encode", api.Encoder, "encode"), ("plan_all", api.Planner, "plan_all"),
                             ("units_of", api, "units_of"), ("nvcomp_encode", gpuc.NvcompCodec, "encode"),
                             ("byteplane_encode", transforms.BytePlane, "encode"),

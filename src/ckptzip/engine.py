@@ -192,10 +192,11 @@ class Encoded:
         np.cumsum(padded[:-1], out=offs[1:])
         return offs, int(padded.sum())
 
-    def rows(self, offs: np.ndarray) -> list[list]:
-        """Table rows [offset, stored, raw, 0, flags] for chunks placed at ``offs``."""
-        z = [0] * len(offs)
-        return [list(r) for r in zip(offs.tolist(), self.stored.tolist(), self.raw.tolist(), z, self.flags.tolist())]
+    def rows(self, offs: np.ndarray) -> np.ndarray:
+        """Table rows (checksums zero) for chunks placed at ``offs``."""
+        r = np.zeros(len(offs), ROW)
+        r["offset"], r["stored"], r["raw"], r["flags"] = offs, self.stored, self.raw, self.flags
+        return r
 
 
 def encode_group(units: list[Unit]) -> list[list[tuple]]:
@@ -375,14 +376,15 @@ class ChunkWriter:
         if not len(enc.stored):
             return
         if enc.tensors[0].device.type != "cuda" and self._q is None:
-            for t, so, ln, raw, flags in zip(enc.src.tolist(), enc.soff.tolist(), enc.stored.tolist(),
-                                             enc.raw.tolist(), enc.flags.tolist()):
+            block = enc.rows(np.zeros(len(enc.stored), dtype=np.int64))
+            for k, (t, so, ln) in enumerate(zip(enc.src.tolist(), enc.soff.tolist(), enc.stored.tolist())):
                 pad, off = self._place(ln)
                 if pad:
                     self.f.write(b"\0" * pad)
                 mv = memoryview(enc.tensors[t][so:so + ln].numpy())
                 self.f.write(mv)
-                self.rows.append([off, ln, raw, checksum(mv), flags])
+                block[k]["offset"], block[k]["xxh3"] = off, checksum(mv)
+            self.rows.append(block)
             return
         self._check()
         self._start_thread()
@@ -391,7 +393,7 @@ class ChunkWriter:
         host, rel = stage_encoded(enc, lambda n: PINNED.get(f"write{slot}", n))
         self._enqueue(slot, host, rel)
 
-    def add_staged(self, host: torch.Tensor, rel: list[list]) -> None:
+    def add_staged(self, host: torch.Tensor, rel: np.ndarray) -> None:
         """Append a group staged earlier by :func:`stage_encoded` (its buffer is not recycled)."""
         self._check()
         self._start_thread()
@@ -405,26 +407,28 @@ class ChunkWriter:
             self._thread = threading.Thread(target=self._run, name="ckptzip-writer", daemon=True)
             self._thread.start()
 
-    def _enqueue(self, slot, host: torch.Tensor, rel: list[list]) -> None:
+    def _enqueue(self, slot, host: torch.Tensor, rel: np.ndarray) -> None:
         pad, start = self._place(0)
         if pad:
-            self._q.put((None, torch.zeros(pad, dtype=torch.uint8), start - pad, len(self.rows), len(self.rows)))
-        first = len(self.rows)
-        self.rows.extend([start + r[0], r[1], r[2], 0, r[4]] for r in rel)
+            self._q.put((None, torch.zeros(pad, dtype=torch.uint8), start - pad, None))
+        block = rel.copy()
+        block["offset"] += start
+        self.rows.append(block)
         self.pos = start + host.numel()
-        self._q.put((slot, host, start, first, len(self.rows)))
+        self._q.put((slot, host, start, block))
 
     def _run(self) -> None:
         while True:
             item = self._q.get()
             if item is None:
                 return
-            slot, host, start, r0, r1 = item
+            slot, host, start, block = item
             try:
                 if self._err is None:
                     h = host.numpy()
-                    for row in self.rows[r0:r1]:
-                        row[3] = checksum(memoryview(h[row[0] - start: row[0] - start + row[1]]))
+                    if block is not None:
+                        rel = (block["offset"] - start).astype(np.int64)
+                        block["xxh3"] = _checksums(h, rel.tolist(), block["stored"].astype(np.int64).tolist())
                     self.f.write(memoryview(h))
             except BaseException as e:  # surfaced in the main thread
                 self._err = e
@@ -443,11 +447,7 @@ class ChunkWriter:
             self._thread.join()
             self._q = None
         self._check()
-        return rows_array(self.rows)
-
-
-def rows_array(rows: list) -> np.ndarray:
-    return np.array([tuple(r) for r in rows], dtype=ROW) if rows else np.zeros(0, ROW)
+        return np.concatenate(self.rows) if self.rows else np.zeros(0, ROW)
 
 
 def storage_plan_from_manifest(s: dict[str, Any], device: str) -> tuple[BytePlane | None, Codec]:
