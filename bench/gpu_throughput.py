@@ -40,7 +40,7 @@ def measure(t: torch.Tensor, codec="auto", reps=3, portable=False, device="cuda"
             if device == "cuda":
                 buf, rel = gather_gpu(enc)
             else:
-                buf, rel = stage_encoded(enc, lambda k: torch.empty(k, dtype=torch.uint8), sync=False)
+                buf, rel = stage_encoded(enc, lambda k: torch.empty(k, dtype=torch.uint8))
             del enc
             packed.append((u, buf, rel, rel["offset"].astype(np.int64)))
         _sync(device)

@@ -48,6 +48,17 @@ def planes_of(x):
     return bp.encode(x.reshape(-1).view(torch.uint8)).view(w, n)
 
 
+def ans_batch(src, cs, stream, **kw):
+    """An ANS |u1 codec over ``src`` cut into ``cs``-byte chunks, with a preallocated output at
+    nvCOMP's worst-case size per chunk: (codec, offsets, sizes, cap, out, out offsets, config)."""
+    c = nv.Codec(algorithm="ANS", data_type="|u1", bitstream_kind=nv.BitstreamKind.RAW, cuda_stream=stream, **kw)
+    offs = list(range(0, src.numel(), cs))
+    sizes = [min(cs, src.numel() - x) for x in offs]
+    cap = (int(c.get_max_comp_buffer_size(nv.as_array(src[:cs]))) + 15) // 16 * 16
+    o = torch.empty(cap * len(sizes), dtype=torch.uint8, device="cuda")
+    return c, offs, sizes, cap, o, [i * cap for i in range(len(sizes))], c.compression_config(sizes)
+
+
 def ans_grid():
     torch.manual_seed(0)
     w = torch.randn(64 << 20, device="cuda") * 0.02  # 256 MB fp32
@@ -67,14 +78,7 @@ def ans_grid():
                     except Exception as e:  # noqa: BLE001
                         grid[f"{name}/sub{sub}"] = repr(e)
                         continue
-                    c = nv.Codec(algorithm="ANS", data_type="|u1", bitstream_kind=nv.BitstreamKind.RAW,
-                                 cuda_stream=stream, **kw)
-                    offs = list(range(0, total, cs))
-                    sizes = [cs] * len(offs)
-                    cap = (int(c.get_max_comp_buffer_size(nv.as_array(src[:cs]))) + 15) // 16 * 16
-                    o = torch.empty(cap * len(sizes), dtype=torch.uint8, device="cuda")
-                    ooffs = [i * cap for i in range(len(sizes))]
-                    cc = c.compression_config(sizes)
+                    c, offs, sizes, cap, o, ooffs, cc = ans_batch(src, cs, stream, **kw)
                     box = {}
 
                     def enc():
@@ -104,15 +108,9 @@ def ans_grid():
     res["ans_grid"] = grid
     # corrupt chunk with a preconfigured decode
     try:
-        c = nv.Codec(algorithm="ANS", data_type="|u1", bitstream_kind=nv.BitstreamKind.RAW, cuda_stream=stream)
         src = data["exp"][: 8 << 20]
         cs = 1 << 20
-        offs = list(range(0, src.numel(), cs))
-        sizes = [cs] * len(offs)
-        cap = (int(c.get_max_comp_buffer_size(nv.as_array(src[:cs]))) + 15) // 16 * 16
-        o = torch.empty(cap * len(sizes), dtype=torch.uint8, device="cuda")
-        ooffs = [i * cap for i in range(len(sizes))]
-        cc = c.compression_config(sizes)
+        c, offs, sizes, cap, o, ooffs, cc = ans_batch(src, cs, stream)
         r = c.encode(nv.as_arrays(src, offs, sizes), out=nv.as_arrays(o, ooffs, [cap] * len(sizes)), compression_config=cc)
         got = [int(x) for x in r.buffer_sizes]
         out = {}
@@ -138,15 +136,9 @@ def ans_grid():
     except Exception as e:  # noqa: BLE001
         res["corrupt"] = str(e)
     # does reading batch A's sizes wait for a later batch B?
-    c = nv.Codec(algorithm="ANS", data_type="|u1", bitstream_kind=nv.BitstreamKind.RAW, cuda_stream=stream)
     src = data["mant"][: 64 << 20]
-    cs = 1 << 20
-    offs = list(range(0, src.numel(), cs))
-    sizes = [cs] * len(offs)
-    cap = (int(c.get_max_comp_buffer_size(nv.as_array(src[:cs]))) + 15) // 16 * 16
-    oa = torch.empty(cap * len(sizes), dtype=torch.uint8, device="cuda")
+    c, offs, sizes, cap, oa, ooffs, _cc = ans_batch(src, 1 << 20, stream)
     ob = torch.empty_like(oa)
-    ooffs = [i * cap for i in range(len(sizes))]
     torch.cuda.synchronize()
     ra = c.encode(nv.as_arrays(src, offs, sizes), out=nv.as_arrays(oa, ooffs, [cap] * len(sizes)))
     rb = c.encode(nv.as_arrays(src, offs, sizes), out=nv.as_arrays(ob, ooffs, [cap] * len(sizes)))
@@ -178,13 +170,7 @@ def grid2():
         for cs in css:
             for sub in (None, 4, 16):
                 kw = {} if sub is None else {"max_sub_chunk_count": sub}
-                c = nv.Codec(algorithm="ANS", data_type="|u1", bitstream_kind=nv.BitstreamKind.RAW, cuda_stream=stream, **kw)
-                offs = list(range(0, total, cs))
-                sizes = [cs] * len(offs)
-                cap = (int(c.get_max_comp_buffer_size(nv.as_array(src[:cs]))) + 15) // 16 * 16
-                o = torch.empty(cap * len(sizes), dtype=torch.uint8, device="cuda")
-                ooffs = [i * cap for i in range(len(sizes))]
-                cc = c.compression_config(sizes)
+                c, offs, sizes, cap, o, ooffs, cc = ans_batch(src, cs, stream, **kw)
                 box = {}
                 ge, we = ev_time(lambda: box.__setitem__("r", c.encode(nv.as_arrays(src, offs, sizes), out=nv.as_arrays(o, ooffs, [cap] * len(sizes)), compression_config=cc)))
                 got = [int(x) for x in box["r"].buffer_sizes]
@@ -198,7 +184,7 @@ def grid2():
 
 
 def pipeline():
-    from ckptzip.engine import gpu_window, units_of, encode_group
+    from ckptzip.engine import encode_group_arrays, gpu_window, units_of
     from ckptzip.planner import Planner
     from ckptzip.transforms import BytePlane
     from gpu_throughput import measure, ref_of
@@ -223,7 +209,7 @@ def pipeline():
         r["chunks_per_unit"] = [len(u.sizes) for u in units][:3]
         pr = cProfile.Profile()
         pr.enable()
-        g, wl = ev_time(lambda: [encode_group([u]) for u in units], reps=2)
+        g, wl = ev_time(lambda: [encode_group_arrays([u]) for u in units], reps=2)
         pr.disable()
         r["encode_groups_ms"] = (g, wl)
         s = io.StringIO()

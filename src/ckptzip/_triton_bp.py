@@ -3,6 +3,7 @@ no temporaries. Same wire format as the torch implementation in transforms.py (w
 and machines without Triton use); tests check the two agree."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -76,7 +77,6 @@ def _copy_tiles(src, dst, t_src, t_dst, t_len, BLOCK: tl.constexpr, TILE: tl.con
 def copy_segments(src: torch.Tensor, soffs, dst: torch.Tensor, doffs, lens) -> None:
     """dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]] for all i, in one launch: segments are cut
     into tiles of SEG_TILE bytes, one program per tile (numpy int64 arrays in, on the host)."""
-    import numpy as np
     ntiles = (lens + SEG_TILE - 1) // SEG_TILE
     seg = np.repeat(np.arange(len(lens)), ntiles)
     first = np.repeat(np.cumsum(ntiles) - ntiles, ntiles)

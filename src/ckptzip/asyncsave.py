@@ -95,19 +95,28 @@ class _OnGPU:
     """A compressed group kept on the GPU during the snapshot; the background writer copies it
     to the host arena (:meth:`fetch`) and then lets the GPU memory go."""
 
-    def __init__(self, buf: torch.Tensor, rel: list, per_unit: list, ready: list) -> None:
-        self.buf, self.rel, self.per_unit, self._ready = buf, rel, per_unit, ready
+    def __init__(self, buf: torch.Tensor, rel, per_unit: list, packed: torch.cuda.Event) -> None:
+        self.buf, self.rel, self.per_unit, self._packed = buf, rel, per_unit, packed
 
-    def fetch(self) -> tuple[torch.Tensor, list, list]:
+    def fetch(self) -> tuple:
         buf, self.buf = self.buf, None
-        host = ARENA.take(buf.numel())
-        with torch.cuda.device(buf.device):
-            stream = _copy_stream(buf.device)
-            stream.wait_event(self._ready[0])
-            with torch.cuda.stream(stream):
-                host.copy_(buf, non_blocking=True)
-            stream.synchronize()
+        host, done = _copy_to_host(buf, self._packed)
+        done.synchronize()
         return host, self.rel, self.per_unit
+
+
+def _copy_to_host(buf: torch.Tensor, after: torch.cuda.Event) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """Copy a GPU buffer into an arena slice on the device's side stream once ``after`` has
+    happened; returns the slice and the event that marks the copy done."""
+    stream = _copy_stream(buf.device)
+    host = ARENA.take(buf.numel())
+    with torch.cuda.device(buf.device), torch.cuda.stream(stream):
+        stream.wait_event(after)
+        host.copy_(buf, non_blocking=True)
+        buf.record_stream(stream)  # keep the allocator from reusing it before the copy ran
+        done = torch.cuda.Event()
+        done.record(stream)
+    return host, done
 
 
 _STREAMS: dict = {}
@@ -134,7 +143,6 @@ def _snapshot(prep, gpu_bytes: int | None) -> list:
         gpu_bytes = torch.cuda.mem_get_info()[0] // 4
     staged = []
     held = 0
-    ready: list = [None]  # the event after the last GPU gather, shared by every _OnGPU
     inflight: deque = deque()
     for grp in prep.groups:
         if grp[0].plan.codec.device == "cuda":
@@ -144,31 +152,21 @@ def _snapshot(prep, gpu_bytes: int | None) -> list:
             buf, rel = gather_gpu(enc)
             per_unit = enc.counts
             del enc
-            if held + buf.numel() <= (gpu_bytes or 0):
-                held += buf.numel()
-                staged.append(_OnGPU(buf, rel, per_unit, ready))
-                continue
-            # over the GPU snapshot budget: copy to the host now, on a side stream, while the next
-            # group compresses
-            copy_stream = _copy_stream(buf.device)
             packed = torch.cuda.Event()
             packed.record()
-            with torch.cuda.stream(copy_stream):
-                copy_stream.wait_event(packed)
-                host = ARENA.take(buf.numel())
-                host.copy_(buf, non_blocking=True)
-                buf.record_stream(copy_stream)  # keep the allocator from reusing it too early
-                done = torch.cuda.Event()
-                done.record(copy_stream)
-            inflight.append(done)
-            staged.append((host, rel, per_unit))
+            if held + buf.numel() <= (gpu_bytes or 0):
+                held += buf.numel()
+                staged.append(_OnGPU(buf, rel, per_unit, packed))
+            else:
+                # over the GPU snapshot budget: copy to the host now, on the side stream, while
+                # the next group compresses
+                host, done = _copy_to_host(buf, packed)
+                inflight.append(done)
+                staged.append((host, rel, per_unit))
         else:
             for u in grp:
                 u.data = ARENA.take(u.data.numel()).copy_(u.data)
             staged.append(None)
-    if held:
-        ready[0] = torch.cuda.Event()
-        ready[0].record()
     for ev in inflight:
         ev.synchronize()
     return staged

@@ -19,7 +19,7 @@ from .codecs.base import Codec, get_codec
 from .errors import ChecksumError, CorruptFileError
 from .format import FLAG_STORED_RAW, ROW, checksum
 from .storage import pread_into
-from .transforms import BytePlane, get_transform
+from .transforms import BytePlane, _triton, get_transform
 
 DEFAULT_CHUNK = 1 << 20
 DEFAULT_WINDOW = 64 << 20
@@ -120,7 +120,7 @@ def _windows(nbytes: int, tf_key: tuple[int, int] | None, chunk: int, window: in
 
 @dataclass
 class Unit:
-    """One window of one storage, planned: what encode_group compresses."""
+    """One window of one storage, planned: what encode_group_arrays compresses."""
     owner: int
     data: torch.Tensor
     plan: Plan
@@ -175,16 +175,6 @@ class Encoded:
     flags: np.ndarray
     counts: list
 
-    def pieces(self) -> list[list[tuple]]:
-        """Per unit, its chunks as (tensor, offset, stored, raw, flags)."""
-        flat = [(self.tensors[t], o, n, r, f) for t, o, n, r, f in zip(
-            self.src.tolist(), self.soff.tolist(), self.stored.tolist(), self.raw.tolist(), self.flags.tolist())]
-        out, k = [], 0
-        for c in self.counts:
-            out.append(flat[k:k + c])
-            k += c
-        return out
-
     def packed(self) -> tuple[np.ndarray, int]:
         """16-byte aligned offsets of the chunks packed back to back, and the packed size."""
         padded = (self.stored + ALIGN - 1) // ALIGN * ALIGN
@@ -197,12 +187,6 @@ class Encoded:
         r = np.zeros(len(offs), ROW)
         r["offset"], r["stored"], r["raw"], r["flags"] = offs, self.stored, self.raw, self.flags
         return r
-
-
-def encode_group(units: list[Unit]) -> list[list[tuple]]:
-    """:func:`encode_group_arrays`, returned per unit as writer pieces (tensor, offset, stored
-    bytes, raw bytes, flags)."""
-    return encode_group_arrays(units).pieces()
 
 
 def encode_group_arrays(units: list[Unit]) -> Encoded:
@@ -237,8 +221,8 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
     if copies[0]:
         torch._foreach_copy_(*copies)
     counts = [len(u.sizes) for u in units]
-    soff = np.concatenate([np.asarray(u.offs, dtype=np.int64) + u.base for u in units]) if units else np.zeros(0, np.int64)
-    raw = np.concatenate([np.asarray(u.sizes, dtype=np.int64) for u in units]) if units else np.zeros(0, np.int64)
+    soff = np.concatenate([u.offs + u.base for u in units])
+    raw = np.concatenate([u.sizes for u in units])
     stored = raw.copy()
     src = np.zeros(len(raw), dtype=np.int64)
     flags = np.full(len(raw), FLAG_STORED_RAW, dtype=np.uint8)
@@ -248,7 +232,7 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
     for u, c in zip(units, counts):
         sel = np.arange(k, k + c)
         if u.plan.raw_planes:
-            sel = sel[~np.isin(np.asarray(u.planes), list(u.plan.raw_planes))]
+            sel = sel[~np.isin(u.planes, list(u.plan.raw_planes))]
         by_codec.setdefault(_codec_key(u.plan.codec), (u.plan.codec, []))[1].append(sel)
         k += c
     for codec, sels in by_codec.values():
@@ -282,17 +266,15 @@ def copy_segments(src: torch.Tensor, soffs: np.ndarray, dst: torch.Tensor, doffs
     if not brk.all():
         starts = np.nonzero(brk)[0]
         lens, soffs, doffs = np.add.reduceat(lens, starts), soffs[starts], doffs[starts]
-    if src.is_cuda:
-        from .transforms import _triton
-        tk = _triton()
-        if tk is not None:
-            big = lens >= (1 << 20)
-            for s, d, n in zip(soffs[big].tolist(), doffs[big].tolist(), lens[big].tolist()):
-                dst[d:d + n].copy_(src[s:s + n])
-            small = ~big
-            if small.any():
-                tk.copy_segments(src, soffs[small], dst, doffs[small], lens[small])
-            return
+    tk = _triton() if src.is_cuda else None
+    if tk is not None:
+        big = lens >= (1 << 20)
+        for s, d, n in zip(soffs[big].tolist(), doffs[big].tolist(), lens[big].tolist()):
+            dst[d:d + n].copy_(src[s:s + n])
+        small = ~big
+        if small.any():
+            tk.copy_segments(src, soffs[small], dst, doffs[small], lens[small])
+        return
     for s, d, n in zip(soffs.tolist(), doffs.tolist(), lens.tolist()):
         dst[d:d + n].copy_(src[s:s + n])
 
@@ -321,34 +303,29 @@ def _upload(host: torch.Tensor, dst: torch.Tensor, tf: BytePlane | None) -> None
 ALIGN = 16  # every chunk starts at a 16-byte aligned file offset (nvCOMP's strictest alignment)
 
 
-def gather_gpu(enc: Encoded) -> tuple[torch.Tensor, list[list]]:
-    """The chunks of a GPU group packed into one new GPU tensor at 16-byte aligned offsets (zero
-    padding between); returns it and the rows [relative offset, stored, raw, 0, flags]."""
+def _packed_into(enc: Encoded, alloc: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
+    """The chunks of ``enc`` packed at 16-byte aligned offsets (zero padding between) into
+    ``alloc(n)`` on the group's device; returns it and the rows (relative offsets, checksums 0)."""
     offs, total = enc.packed()
-    buf = torch.zeros(total, dtype=torch.uint8, device=enc.tensors[0].device)
-    pack(enc, buf, offs)
-    return buf, enc.rows(offs)
+    out = alloc(total).zero_()
+    pack(enc, out, offs)
+    return out, enc.rows(offs)
 
 
-def stage_encoded(enc: Encoded, alloc: Callable[[int], torch.Tensor], sync: bool = True
-                  ) -> tuple[torch.Tensor, list[list]]:
-    """The chunks of a group copied into one host buffer from ``alloc(n)`` (packed as
-    :func:`gather_gpu` does; GPU groups are packed on the GPU, then copied once) and, with
-    ``sync``, waits for the copies."""
-    dev = enc.tensors[0].device
-    if dev.type != "cuda":
-        offs, total = enc.packed()
-        host = alloc(total)
-        host.zero_()
-        pack(enc, host, offs)
-        return host, enc.rows(offs)
+def gather_gpu(enc: Encoded) -> tuple[torch.Tensor, np.ndarray]:
+    """The chunks of a GPU group packed into one new GPU tensor (see :func:`_packed_into`)."""
+    return _packed_into(enc, lambda n: torch.empty(n, dtype=torch.uint8, device=enc.tensors[0].device))
+
+
+def stage_encoded(enc: Encoded, alloc: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
+    """The chunks of a group packed into one host buffer from ``alloc(n)``; a GPU group is packed
+    on the GPU and copied once (waits for the copy)."""
+    if enc.tensors[0].device.type != "cuda":
+        return _packed_into(enc, alloc)
     buf, rows = gather_gpu(enc)
     host = alloc(buf.numel())
     host.copy_(buf, non_blocking=True)
-    if sync:
-        torch.cuda.current_stream().synchronize()
-    else:
-        buf.record_stream(torch.cuda.current_stream())
+    torch.cuda.current_stream().synchronize()
     return host, rows
 
 
@@ -564,15 +541,10 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     np.cumsum(raws[:-1], out=roffs[1:])
     is_raw = rows["flags"] == FLAG_STORED_RAW
     copy_segments(src, soffs[is_raw], stream, roffs[is_raw], raws[is_raw])
-    keys: dict[tuple, int] = {}
-    codecs, job_key = [], []
-    for job, _i, _j, _a, _b in grp:
-        k = keys.setdefault(_codec_key(job.codec), len(keys))
-        if k == len(codecs):
-            codecs.append(job.codec)
-        job_key.append(k)
+    keys: dict[tuple, tuple[int, Codec]] = {}
+    job_key = [keys.setdefault(_codec_key(job.codec), (len(keys), job.codec))[0] for job, *_ in grp]
     key_of_row = np.repeat(np.asarray(job_key, dtype=np.int64), [j - i for _job, i, j, _a, _b in grp])
-    for k, codec in enumerate(codecs):
+    for k, codec in keys.values():
         ks = np.nonzero(~is_raw & (key_of_row == k))[0]
         if len(ks):
             codec.decode(src, soffs[ks].tolist(), stored[ks].tolist(), stream, roffs[ks].tolist(), raws[ks].tolist())

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from .codecs.base import MAX_CHUNK, Codec, get_codec
-from .engine import DEFAULT_CHUNK, Plan, Unit, encode_group, groups, units_of
+from .engine import DEFAULT_CHUNK, Plan, Unit, encode_group_arrays, groups, units_of
 from .errors import UnknownCodecError
 from .transforms import BytePlane
 from .tree import StorageRef
@@ -156,10 +157,14 @@ class Planner:
                     units.append(u)
         stored: dict[tuple[int, str], list[int]] = {}
         for grp in groups(units, window):
-            for u, pieces in zip(grp, encode_group(grp)):
+            enc = encode_group_arrays(grp)
+            k = 0
+            for u, c in zip(grp, enc.counts):
                 acc = stored.setdefault((u.owner, u.variant), [0] * 8)
-                for p, piece in zip(u.planes, pieces):
-                    acc[max(p, 0)] += piece[2]
+                per_plane = np.bincount(np.maximum(u.planes, 0), weights=enc.stored[k:k + c], minlength=8)
+                for p, n in enumerate(per_plane.tolist()):
+                    acc[p] += int(n)
+                k += c
         for i, (ref, var) in enumerate(zip(refs, variants)):
             if var:
                 plans[i] = self._decide(ref, plans[i], var, stored, i)
