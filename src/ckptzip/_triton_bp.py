@@ -63,24 +63,28 @@ SEG_TILE = 16384
 
 
 @triton.jit
-def _copy_tiles(src, dst, t_src, t_dst, t_len, BLOCK: tl.constexpr, TILE: tl.constexpr):
+def _copy_tiles(src, dst, t_src, t_dst, t_len, t_end, BLOCK: tl.constexpr, TILE: tl.constexpr):
     pid = tl.program_id(0)
     s = tl.load(t_src + pid)
     d = tl.load(t_dst + pid)
     n = tl.load(t_len + pid)
+    z = tl.load(t_end + pid)
     for i in tl.static_range(0, TILE, BLOCK):
         offs = i + tl.arange(0, BLOCK)
-        m = offs < n
-        tl.store(dst + d + offs, tl.load(src + s + offs, mask=m), mask=m)
+        tl.store(dst + d + offs, tl.load(src + s + offs, mask=offs < n, other=0), mask=offs < z)
 
 
-def copy_segments(src: torch.Tensor, soffs, dst: torch.Tensor, doffs, lens) -> None:
-    """dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]] for all i, in one launch: segments are cut
-    into tiles of SEG_TILE bytes, one program per tile (numpy int64 arrays in, on the host)."""
-    ntiles = (lens + SEG_TILE - 1) // SEG_TILE
+def copy_segments(src: torch.Tensor, soffs, dst: torch.Tensor, doffs, lens, ends=None) -> None:
+    """dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]] for all i, and zeros up to ``ends[i]``
+    bytes (default: ``lens``), in one launch: segments are cut into tiles of SEG_TILE bytes, one
+    program per tile (numpy int64 arrays in, on the host; the tile table goes up pinned, without
+    a synchronization)."""
+    ends = lens if ends is None else ends
+    ntiles = np.maximum((ends + SEG_TILE - 1) // SEG_TILE, 1)
     seg = np.repeat(np.arange(len(lens)), ntiles)
     first = np.repeat(np.cumsum(ntiles) - ntiles, ntiles)
     k = (np.arange(len(seg)) - first) * SEG_TILE
-    table = np.stack([soffs[seg] + k, doffs[seg] + k, np.minimum(lens[seg] - k, SEG_TILE)])
-    t = torch.from_numpy(table).to(src.device)  # small; a pageable copy is synchronous
-    _copy_tiles[(len(seg),)](src, dst, t[0], t[1], t[2], BLOCK=4096, TILE=SEG_TILE)
+    table = np.stack([soffs[seg] + k, doffs[seg] + k, np.clip(lens[seg] - k, 0, SEG_TILE),
+                      np.clip(ends[seg] - k, 0, SEG_TILE)])
+    t = torch.from_numpy(table).pin_memory().to(src.device, non_blocking=True)
+    _copy_tiles[(len(seg),)](src, dst, t[0], t[1], t[2], t[3], BLOCK=4096, TILE=SEG_TILE)

@@ -254,37 +254,49 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
 
 
 def copy_segments(src: torch.Tensor, soffs: np.ndarray, dst: torch.Tensor, doffs: np.ndarray,
-                  lens: np.ndarray) -> None:
+                  lens: np.ndarray, ends: np.ndarray | None = None) -> None:
     """dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]] for every i (flat uint8 tensors, same
-    device). On CUDA, segments of 1 MiB or more are plain copies and the rest go to one Triton
-    kernel launch; elsewhere, one copy per segment."""
+    device), and dst[doffs[i]+lens[i]:doffs[i]+ends[i]] zeroed where ``ends`` is given. On CUDA,
+    copies of 1 MiB or more are plain copies and everything else goes to one Triton kernel
+    launch; elsewhere, one copy per segment."""
     if not len(lens):
         return
-    # merge runs of segments that are adjacent on both sides
+    ends = lens if ends is None else ends
+    # merge runs of segments that are adjacent on both sides (only a run's last one has padding)
     brk = np.ones(len(lens), dtype=bool)
-    brk[1:] = (soffs[1:] != soffs[:-1] + lens[:-1]) | (doffs[1:] != doffs[:-1] + lens[:-1])
+    brk[1:] = ((soffs[1:] != soffs[:-1] + lens[:-1]) | (doffs[1:] != doffs[:-1] + lens[:-1])
+               | (ends[:-1] != lens[:-1]))
     if not brk.all():
         starts = np.nonzero(brk)[0]
+        last = np.append(starts[1:], len(lens)) - 1
+        pads = (ends - lens)[last]
         lens, soffs, doffs = np.add.reduceat(lens, starts), soffs[starts], doffs[starts]
+        ends = lens + pads
     tk = _triton() if src.is_cuda else None
-    if tk is not None:
-        big = lens >= (1 << 20)
-        for s, d, n in zip(soffs[big].tolist(), doffs[big].tolist(), lens[big].tolist()):
-            dst[d:d + n].copy_(src[s:s + n])
-        small = ~big
-        if small.any():
-            tk.copy_segments(src, soffs[small], dst, doffs[small], lens[small])
-        return
-    for s, d, n in zip(soffs.tolist(), doffs.tolist(), lens.tolist()):
+    big = lens >= (1 << 20) if tk is not None else np.ones(len(lens), dtype=bool)
+    for s, d, n, e in zip(soffs[big].tolist(), doffs[big].tolist(), lens[big].tolist(), ends[big].tolist()):
         dst[d:d + n].copy_(src[s:s + n])
+        if e > n and tk is None:
+            dst[d + n:d + e].zero_()
+    if tk is None:
+        return
+    small = ~big
+    pad_big = big & (ends > lens)  # padding after a plain copy: zero-only tiles
+    if small.any() or pad_big.any():
+        z = np.zeros(int(pad_big.sum()), dtype=np.int64)
+        tk.copy_segments(src, np.concatenate([soffs[small], z]), dst,
+                         np.concatenate([doffs[small], (doffs + lens)[pad_big]]),
+                         np.concatenate([lens[small], z]), np.concatenate([ends[small], (ends - lens)[pad_big]]))
 
 
 def pack(enc: Encoded, out: torch.Tensor, offs: np.ndarray) -> None:
-    """Copy every chunk of ``enc`` into ``out`` (zeroed where nothing is copied) at ``offs``."""
+    """Copy every chunk of ``enc`` into ``out`` at ``offs``, zeroing the padding up to the next
+    16-byte boundary (``offs`` from :meth:`Encoded.packed`: every byte of ``out`` is written)."""
+    padded = (enc.stored + ALIGN - 1) // ALIGN * ALIGN
     for t in range(len(enc.tensors)):
         sel = np.nonzero(enc.src == t)[0]
         if len(sel):
-            copy_segments(enc.tensors[t], enc.soff[sel], out, offs[sel], enc.stored[sel])
+            copy_segments(enc.tensors[t], enc.soff[sel], out, offs[sel], enc.stored[sel], padded[sel])
 
 
 def _upload(host: torch.Tensor, dst: torch.Tensor, tf: BytePlane | None) -> None:
@@ -307,7 +319,7 @@ def _packed_into(enc: Encoded, alloc: Callable[[int], torch.Tensor]) -> tuple[to
     """The chunks of ``enc`` packed at 16-byte aligned offsets (zero padding between) into
     ``alloc(n)`` on the group's device; returns it and the rows (relative offsets, checksums 0)."""
     offs, total = enc.packed()
-    out = alloc(total).zero_()
+    out = alloc(total)
     pack(enc, out, offs)
     return out, enc.rows(offs)
 
@@ -511,7 +523,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                 raise err
             work = grp[0][0].codec.device
             src = host.to(work, non_blocking=True) if work != "cpu" else host
-            decode_group(src, soffs, rows, grp, work)
+            decode_group(src, soffs, rows, grp, work, host.numpy() if work == "cuda" else None)
             if work == "cuda":
                 torch.cuda.current_stream().synchronize()  # the pinned slot may be refilled now
             free.put(slot)
@@ -528,9 +540,12 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
             t.join(timeout=0.01)
 
 
-def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: list, work: str) -> None:
+def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: list, work: str,
+                 host: np.ndarray | None = None) -> None:
     """Decode a group of batches (``rows`` concatenated in group order, already verified): raw
-    chunks are copied, codec chunks go to one call per codec, transforms are undone per batch."""
+    chunks are copied, codec chunks go to one call per codec, transforms are undone per batch.
+    ``host`` is a host copy of ``src`` where the caller has one (GPU codecs check chunk headers
+    there instead of synchronizing)."""
     stored = rows["stored"].astype(np.int64)
     raws = rows["raw"].astype(np.int64)
     soffs = np.asarray(soffs, dtype=np.int64)
@@ -547,7 +562,11 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     for k, codec in keys.values():
         ks = np.nonzero(~is_raw & (key_of_row == k))[0]
         if len(ks):
-            codec.decode(src, soffs[ks].tolist(), stored[ks].tolist(), stream, roffs[ks].tolist(), raws[ks].tolist())
+            args = (src, soffs[ks].tolist(), stored[ks].tolist(), stream, roffs[ks].tolist(), raws[ks].tolist())
+            if host is not None and codec.device == "cuda":
+                codec.decode(*args, host=host)
+            else:
+                codec.decode(*args)
     if direct:
         return
     pos = 0
@@ -600,13 +619,16 @@ _SUM_POOL = None
 
 
 def _checksums(b: np.ndarray, offs, stored) -> list[int]:
-    """XXH3-64 of every chunk; large batches are hashed by four threads (xxhash releases the GIL
-    on large inputs)."""
+    """XXH3-64 of every chunk; large batches are hashed by four threads, each taking a
+    contiguous quarter of the chunks (xxhash releases the GIL on large inputs)."""
     n = len(offs)
+
+    def run(ks) -> list[int]:
+        return [checksum(memoryview(b[offs[k]:offs[k] + stored[k]])) for k in ks]
     if int(np.sum(stored)) < (32 << 20) or n < 4:
-        return [checksum(memoryview(b[offs[k]:offs[k] + stored[k]])) for k in range(n)]
+        return run(range(n))
     global _SUM_POOL
     if _SUM_POOL is None:
         from concurrent.futures import ThreadPoolExecutor
         _SUM_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckptzip-sum")
-    return list(_SUM_POOL.map(lambda k: checksum(memoryview(b[offs[k]:offs[k] + stored[k]])), range(n)))
+    return [x for part in _SUM_POOL.map(run, np.array_split(np.arange(n), 4)) for x in part]
