@@ -61,6 +61,24 @@ def main():
             rows_d.append((time.perf_counter() - t0, t1 - t0, a.elapsed_time(b) / 1e3))
         gc.enable()
         n = ref.data.numel()
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                pos = 0
+                for (u, buf, rows, soffs), host in zip(packed, hosts):
+                    k = u.data.numel()
+                    decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), pos, pos + k)],
+                                 "cuda", host)
+                    pos += k
+                torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                for u in units:
+                    enc = encode_group_arrays([u])
+                    gather_gpu(enc)
+                torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
         for label, rows in (("encode", rows_e), ("decode", rows_d)):
             print(name, label, "wall/host-return/gpu GB/s per rep:")
             print("  " + " ".join(f"{n / w_ / 1e9:.0f}/{n / h / 1e9:.0f}/{n / g / 1e9:.0f}" for w_, h, g in rows), flush=True)
