@@ -1,54 +1,98 @@
-"""Exploration on a GPU: A/B of engine switches on gpu_throughput.measure (343 MB fp32, 172 MB
-bf16 synthetic weights): nvCOMP scratch allocator (torch vs nvCOMP's), header-checked sync-free
-ANS decode on/off, pinned vs pageable tile table; plus the cost of building decode configs.
+"""Exploration on a GPU: A/B of engine switches on the planned encode+pack and decode of 343 MB
+fp32 / 172 MB bf16 synthetic weights, variants interleaved round by round in one process (drift
+and clock changes hit all alike), the GPU kept at full clocks by a busy kernel before each timed
+section (as in a training loop). Variants: nvCOMP scratch allocator (torch / nvCOMP's own) x
+header-checked sync-free ANS decode (on / off).
 
-    CKPTZIP_NVCOMP_ALLOCATOR=nvcomp|torch PYTHONPATH=src python bench/probe_ab.py
+    PYTHONPATH=src python bench/probe_ab.py
 """
 import json
 import os
+import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_throughput import measure  # noqa: E402
+from gpu_throughput import ref_of  # noqa: E402
 
-from ckptzip import _triton_bp  # noqa: E402
 from ckptzip.codecs import gpu as G  # noqa: E402
+from ckptzip.engine import Job, decode_group, encode_group_arrays, gather_gpu, gpu_window, units_of  # noqa: E402
+from ckptzip.planner import Planner  # noqa: E402
+
+_A = None
+
+
+def spin(ms=15):
+    """Keep the GPU busy ~ms so that its clocks are up, then wait for it."""
+    global _A
+    if _A is None:
+        _A = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    t = time.perf_counter()
+    while (time.perf_counter() - t) * 1e3 < ms:
+        _A @ _A
+        torch.cuda.synchronize()
+
+
+def one(plan, units, dst, host_check):
+    spin()
+    t0 = time.perf_counter()
+    packed = []
+    for u in units:
+        buf, rel = gather_gpu(encode_group_arrays([u]))
+        packed.append((u, buf, rel, rel["offset"].astype(np.int64)))
+    torch.cuda.synchronize()
+    te = time.perf_counter() - t0
+    hosts = [b.cpu().numpy() if host_check else None for _u, b, _r, _o in packed]
+    spin()
+    t0 = time.perf_counter()
+    pos = 0
+    for (u, buf, rows, soffs), host in zip(packed, hosts):
+        k = u.data.numel()
+        decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), pos, pos + k)], "cuda", host)
+        pos += k
+    torch.cuda.synchronize()
+    return te, time.perf_counter() - t0
+
+
+class _TorchBuf:
+    __slots__ = ("t", "ptr")
+
+    def __init__(self, n):
+        self.t = torch.empty(max(int(n), 1), dtype=torch.uint8, device="cuda")
+        self.ptr = self.t.data_ptr()
 
 
 def main():
+    nv = G._nvcomp()
     torch.manual_seed(0)
     w = torch.randn(86 << 20, device="cuda") * 0.02
-    d = {"fp32": w, "bf16": w.bfloat16()}
-    alloc = os.environ.get("CKPTZIP_NVCOMP_ALLOCATOR", "torch")
-    orig = G.NvcompCodec._header_check
-    for verified in (True, False):
-        G.NvcompCodec._header_check = orig if verified else (lambda self, c: False)
-        for pin in (True, False):
-            _triton_bp.PIN_TABLE = pin
-            for k, t in d.items():
-                measure(t, reps=1)
-                r = [measure(t, reps=20) for _ in range(2)]
-                print(json.dumps({"alloc": alloc, "verified": verified, "pin": pin, "data": k,
-                                  "c best": [round(x["compress_GBps"], 1) for x in r],
-                                  "c med": [round(x["compress_GBps_median"], 1) for x in r],
-                                  "d best": [round(x["decompress_GBps"], 1) for x in r],
-                                  "d med": [round(x["decompress_GBps_median"], 1) for x in r]}), flush=True)
-    G.NvcompCodec._header_check = orig
-    nv = G._nvcomp()
-    c = G._make_codec("ANS", 0, torch.cuda.current_stream().cuda_stream, (("data_type", "|u1"),))
-    sizes = [1 << 20] * 82
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        cc = c.compression_config(sizes)
-        t1 = time.perf_counter()
-        c.decompression_config(cc)
-        t2 = time.perf_counter()
-        print("config ms", round((t1 - t0) * 1e3, 3), round((t2 - t1) * 1e3, 3), flush=True)
-    del nv
+    variants = [(a, v) for a in ("torch", "nvcomp") for v in (True, False)]
+    for name, t in (("fp32", w), ("bf16", w.bfloat16())):
+        ref = ref_of(t)
+        win = gpu_window()
+        plan = Planner("auto", "auto", 1 << 20, None, "cuda", False).plan_all([ref], win)[0]
+        units = units_of(0, ref.data, plan, win)
+        dst = torch.empty_like(ref.data)
+        times = {v: ([], []) for v in variants}
+        for rnd in range(16):
+            for alloc, ver in variants:
+                if alloc == "torch":
+                    nv.set_device_allocator(lambda n, s: _TorchBuf(n))
+                else:
+                    nv.set_device_allocator()  # back to nvCOMP's default
+                te, td = one(plan, units, dst, ver)
+                if rnd:
+                    times[(alloc, ver)][0].append(te)
+                    times[(alloc, ver)][1].append(td)
+        n = ref.data.numel()
+        assert torch.equal(dst, ref.data)
+        for v, (e, d) in times.items():
+            print(json.dumps({"data": name, "alloc": v[0], "host_checked_decode": v[1],
+                              "c_med": round(n / statistics.median(e) / 1e9, 1), "c_best": round(n / min(e) / 1e9, 1),
+                              "d_med": round(n / statistics.median(d) / 1e9, 1), "d_best": round(n / min(d) / 1e9, 1)}), flush=True)
 
 
 if __name__ == "__main__":
