@@ -1,10 +1,10 @@
 """Exploration on a GPU: A/B of engine switches on the planned encode+pack and decode of 343 MB
 fp32 / 172 MB bf16 synthetic weights, variants interleaved round by round in one process (drift
 and clock changes hit all alike), the GPU kept at full clocks by a busy kernel before each timed
-section (as in a training loop). Variants: nvCOMP scratch allocator (torch / nvCOMP's own) x
-header-checked sync-free ANS decode (on / off).
+section (as in a training loop). Variants: nvCOMP scratch allocator (torch / nvCOMP's own) (set
+by CKPTZIP_NVCOMP_ALLOCATOR, one per process) x header-checked sync-free ANS decode (on / off).
 
-    PYTHONPATH=src python bench/probe_ab.py
+    CKPTZIP_NVCOMP_ALLOCATOR=torch|nvcomp PYTHONPATH=src python bench/probe_ab.py
 """
 import json
 import os
@@ -57,19 +57,12 @@ def one(plan, units, dst, host_check):
     return te, time.perf_counter() - t0
 
 
-class _TorchBuf:
-    __slots__ = ("t", "ptr")
-
-    def __init__(self, n):
-        self.t = torch.empty(max(int(n), 1), dtype=torch.uint8, device="cuda")
-        self.ptr = self.t.data_ptr()
-
-
 def main():
-    nv = G._nvcomp()
+    G._nvcomp()
     torch.manual_seed(0)
     w = torch.randn(86 << 20, device="cuda") * 0.02
-    variants = [(a, v) for a in ("torch", "nvcomp") for v in (True, False)]
+    alloc_name = os.environ.get("CKPTZIP_NVCOMP_ALLOCATOR", "torch")
+    variants = [(alloc_name, v) for v in (True, False)]
     for name, t in (("fp32", w), ("bf16", w.bfloat16())):
         ref = ref_of(t)
         win = gpu_window()
@@ -79,10 +72,6 @@ def main():
         times = {v: ([], []) for v in variants}
         for rnd in range(16):
             for alloc, ver in variants:
-                if alloc == "torch":
-                    nv.set_device_allocator(lambda n, s: _TorchBuf(n))
-                else:
-                    nv.set_device_allocator()  # back to nvCOMP's default
                 te, td = one(plan, units, dst, ver)
                 if rnd:
                     times[(alloc, ver)][0].append(te)
