@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_throughput import ref_of  # noqa: E402
 
+from ckptzip import engine  # noqa: E402
 from ckptzip.codecs import gpu as G  # noqa: E402
 from ckptzip.engine import Job, decode_group, encode_group_arrays, gather_gpu, gpu_window, units_of  # noqa: E402
 from ckptzip.planner import Planner  # noqa: E402
@@ -62,7 +63,7 @@ def main():
     torch.manual_seed(0)
     w = torch.randn(86 << 20, device="cuda") * 0.02
     alloc_name = os.environ.get("CKPTZIP_NVCOMP_ALLOCATOR", "torch")
-    variants = [(alloc_name, v) for v in (True, False)]
+    variants = [(alloc_name, v, big) for v in (True, False) for big in (1 << 20, 1 << 62)]
     for name, t in (("fp32", w), ("bf16", w.bfloat16())):
         ref = ref_of(t)
         win = gpu_window()
@@ -71,15 +72,16 @@ def main():
         dst = torch.empty_like(ref.data)
         times = {v: ([], []) for v in variants}
         for rnd in range(16):
-            for alloc, ver in variants:
+            for alloc, ver, big in variants:
+                engine.BIG_COPY = big
                 te, td = one(plan, units, dst, ver)
                 if rnd:
-                    times[(alloc, ver)][0].append(te)
-                    times[(alloc, ver)][1].append(td)
+                    times[(alloc, ver, big)][0].append(te)
+                    times[(alloc, ver, big)][1].append(td)
         n = ref.data.numel()
         assert torch.equal(dst, ref.data)
         for v, (e, d) in times.items():
-            print(json.dumps({"data": name, "alloc": v[0], "host_checked_decode": v[1],
+            print(json.dumps({"data": name, "alloc": v[0], "host_checked_decode": v[1], "big_copy": v[2],
                               "c_med": round(n / statistics.median(e) / 1e9, 1), "c_best": round(n / min(e) / 1e9, 1),
                               "d_med": round(n / statistics.median(d) / 1e9, 1), "d_best": round(n / min(d) / 1e9, 1)}), flush=True)
 

@@ -253,6 +253,11 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
     return Encoded(tensors, src, soff, stored, raw, flags, counts)
 
 
+#: on CUDA, segments at least this long are copied with copy_ (one call each), shorter ones by
+#: one Triton launch for all
+BIG_COPY = 1 << 20
+
+
 def copy_segments(src: torch.Tensor, soffs: np.ndarray, dst: torch.Tensor, doffs: np.ndarray,
                   lens: np.ndarray, ends: np.ndarray | None = None) -> None:
     """dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]] for every i (flat uint8 tensors, same
@@ -273,7 +278,7 @@ def copy_segments(src: torch.Tensor, soffs: np.ndarray, dst: torch.Tensor, doffs
         lens, soffs, doffs = np.add.reduceat(lens, starts), soffs[starts], doffs[starts]
         ends = lens + pads
     tk = _triton() if src.is_cuda else None
-    big = lens >= (1 << 20) if tk is not None else np.ones(len(lens), dtype=bool)
+    big = lens >= BIG_COPY if tk is not None else np.ones(len(lens), dtype=bool)
     for s, d, n, e in zip(soffs[big].tolist(), doffs[big].tolist(), lens[big].tolist(), ends[big].tolist()):
         dst[d:d + n].copy_(src[s:s + n])
         if e > n and tk is None:
