@@ -25,8 +25,7 @@ def measure(t: torch.Tensor, codec="auto", reps=10, portable=False, device="cuda
     resident on ``device``, as a save and a load run them window by window. Compress: transform,
     codec, and packing every chunk's chosen bytes into one buffer (what ``async_save`` keeps as
     its snapshot). Decompress: from those packed buffers, raw copies + codec + inverse transform
-    into the destination, with chunk headers checked on a host copy of the packed bytes (a load
-    has its read buffers on the host). Checks the round trip."""
+    into the destination. Checks the round trip."""
     ref = ref_of(t)
     win = gpu_window() if device == "cuda" else DEFAULT_WINDOW
     plan = Planner(codec, "auto", 1 << 20, None, device, portable).plan_all([ref], win)[0]
@@ -51,20 +50,17 @@ def measure(t: torch.Tensor, codec="auto", reps=10, portable=False, device="cuda
         _sync(device)
         times_e.append(time.perf_counter() - t0)
         total = sum(int(rel["stored"].sum()) for _u, _b, rel, _o in packed)
-        # a load reads the chunks into host buffers first; GPU codecs check chunk headers there
-        hosts = [b.cpu().numpy() if device == "cuda" else None for _u, b, _r, _o in packed]
         dst.zero_()
         _sync(device)
         t0 = time.perf_counter()
         a = 0
-        for (u, buf, rows, soffs), host in zip(packed, hosts):
+        for u, buf, rows, soffs in packed:
             b = a + u.data.numel()
-            decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), a, b)],
-                         device, host)
+            decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), a, b)], device)
             a = b
         _sync(device)
         times_d.append(time.perf_counter() - t0)
-        del packed, hosts
+        del packed
     if gc_was:
         gc.enable()
     assert torch.equal(dst, ref.data), "round trip failed"

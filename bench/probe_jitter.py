@@ -44,16 +44,15 @@ def main():
             t1 = time.perf_counter()
             torch.cuda.synchronize()
             rows_e.append((time.perf_counter() - t0, t1 - t0, a.elapsed_time(b) / 1e3))
-            hosts = [x[1].cpu().numpy() for x in packed]
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             a.record()
             pos = 0
-            for (u, buf, rows, soffs), host in zip(packed, hosts):
+            for u, buf, rows, soffs in packed:
                 n = u.data.numel()
                 decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), pos, pos + n)],
-                             "cuda", host)
+                             "cuda")
                 pos += n
             b.record()
             t1 = time.perf_counter()
@@ -65,10 +64,10 @@ def main():
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 pos = 0
-                for (u, buf, rows, soffs), host in zip(packed, hosts):
+                for u, buf, rows, soffs in packed:
                     k = u.data.numel()
                     decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), pos, pos + k)],
-                                 "cuda", host)
+                                 "cuda")
                     pos += k
                 torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))

@@ -528,7 +528,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                 raise err
             work = grp[0][0].codec.device
             src = host.to(work, non_blocking=True) if work != "cpu" else host
-            decode_group(src, soffs, rows, grp, work, host.numpy() if work == "cuda" else None)
+            decode_group(src, soffs, rows, grp, work)
             if work == "cuda":
                 torch.cuda.current_stream().synchronize()  # the pinned slot may be refilled now
             free.put(slot)
@@ -545,12 +545,9 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
             t.join(timeout=0.01)
 
 
-def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: list, work: str,
-                 host: np.ndarray | None = None) -> None:
+def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: list, work: str) -> None:
     """Decode a group of batches (``rows`` concatenated in group order, already verified): raw
-    chunks are copied, codec chunks go to one call per codec, transforms are undone per batch.
-    ``host`` is a host copy of ``src`` where the caller has one (GPU codecs check chunk headers
-    there instead of synchronizing)."""
+    chunks are copied, codec chunks go to one call per codec, transforms are undone per batch."""
     stored = rows["stored"].astype(np.int64)
     raws = rows["raw"].astype(np.int64)
     soffs = np.asarray(soffs, dtype=np.int64)
@@ -567,11 +564,7 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     for k, codec in keys.values():
         ks = np.nonzero(~is_raw & (key_of_row == k))[0]
         if len(ks):
-            args = (src, soffs[ks].tolist(), stored[ks].tolist(), stream, roffs[ks].tolist(), raws[ks].tolist())
-            if host is not None and codec.device == "cuda":
-                codec.decode(*args, host=host)
-            else:
-                codec.decode(*args)
+            codec.decode(src, soffs[ks].tolist(), stored[ks].tolist(), stream, roffs[ks].tolist(), raws[ks].tolist())
     if direct:
         return
     pos = 0

@@ -11,7 +11,6 @@ wrote. GPU-only bitstreams (ANS, Bitcomp, Cascaded, GDeflate, LZ4, Snappy) raise
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from typing import Any, ClassVar
 
@@ -23,7 +22,6 @@ from .base import Codec, register
 
 _LOCK = threading.Lock()
 _MAX_OUT: dict = {}  # (codec id, chunk bytes) -> nvCOMP's worst-case compressed size
-_HEADER_OK: dict = {}  # (algorithm, options) -> whether the RAW header self-test passed
 
 
 @functools.lru_cache(maxsize=1)
@@ -32,33 +30,7 @@ def _nvcomp():
         from nvidia import nvcomp  # noqa: PLC0415
     except Exception as e:  # ImportError, or a broken install
         return e
-    if os.environ.get("CKPTZIP_NVCOMP_ALLOCATOR", "torch") == "torch":
-        try:
-            nvcomp.set_device_allocator(_torch_scratch)
-        except Exception:  # an older binding without allocator hooks: keep nvCOMP's own
-            pass
     return nvcomp
-
-
-class _Scratch:
-    """nvCOMP scratch memory held as a torch tensor (freed when nvCOMP drops this object)."""
-    __slots__ = ("t", "ptr")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t, self.ptr = t, t.data_ptr()
-
-
-def _torch_scratch(nbytes: int, stream) -> _Scratch:
-    """nvCOMP's device allocator: torch's caching allocator, on the stream nvCOMP works on.
-    nvCOMP's default allocator costs ~0.3 ms per call (cudaMalloc/cudaFree); with this one fp32
-    compress went from 91 to 114 GB/s and decompress from 126 to 161 GB/s on an H100
-    (bench/probe_host.py). Set CKPTZIP_NVCOMP_ALLOCATOR=nvcomp to keep nvCOMP's own."""
-    dev = stream.device if stream.device >= 0 else torch.cuda.current_device()
-    n = max(int(nbytes), 1)
-    if stream.ptr == torch.cuda.current_stream(dev).cuda_stream:
-        return _Scratch(torch.empty(n, dtype=torch.uint8, device=dev))
-    with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=dev)):
-        return _Scratch(torch.empty(n, dtype=torch.uint8, device=dev))
 
 
 def gpu_status() -> str | None:
@@ -191,60 +163,12 @@ class NvcompCodec(Codec):
             raise CodecError(f"nvCOMP {self.algorithm} encode returned impossible sizes")
         return out, out_offs, got
 
-    #: where a RAW chunk of this algorithm records its uncompressed size (little-endian uint32 at
-    #: this byte offset), when known: a reader that holds the chunks on the host checks the sizes
-    #: there and decodes without the size read-back (see :meth:`decode`)
-    header_size_at: ClassVar[int | None] = None
-
-    def _header_check(self, codec) -> bool:
-        """Whether this nvCOMP build writes the size where :attr:`header_size_at` says (a
-        self-test, once per codec configuration): otherwise decoding keeps the checked path."""
-        key = ("header", self.algorithm, self._opts())
-        ok = _HEADER_OK.get(key)
-        if ok is None:
-            ok = False
-            if self.header_size_at is not None:
-                try:
-                    w = 4
-                    sizes = [4096 + 16 * w, 1000 * w]
-                    src = torch.randint(0, 64, (sum(sizes) + 16,), dtype=torch.uint8, device="cuda")
-                    out, offs, got = self.encode(src, [0, sizes[0]], sizes)
-                    heads = out.cpu().numpy()
-                    ok = all(int(heads[o + self.header_size_at:o + self.header_size_at + 4].view("<u4")[0]) == n
-                             for o, n in zip(offs, sizes))
-                except Exception:  # noqa: BLE001 - any failure just keeps the checked path
-                    ok = False
-            _HEADER_OK[key] = ok
-        return ok
-
-    def _verify_headers(self, host: np.ndarray, offsets, sizes, want) -> None:
-        at = self.header_size_at
-        offs = np.asarray(offsets, dtype=np.int64)
-        n = np.asarray(sizes, dtype=np.int64)
-        if (n < at + 4).any() or (offs < 0).any() or (offs + n > host.size).any():
-            raise CodecError(f"nvCOMP {self.algorithm}: chunk too short for its header")
-        idx = (offs + at)[:, None] + np.arange(4)
-        declared = host[idx].astype(np.int64) @ np.array([1, 1 << 8, 1 << 16, 1 << 24], dtype=np.int64)
-        bad = declared != np.asarray(want, dtype=np.int64)
-        if bad.any():
-            k = int(np.nonzero(bad)[0][0])
-            raise CodecError(f"nvCOMP {self.algorithm}: chunk header declares {int(declared[k])} bytes, "
-                             f"the chunk table {int(want[k])}")
-
-    def decode(self, src, src_offsets, src_sizes, dst, dst_offsets, dst_sizes, host=None):
-        """As :meth:`Codec.decode`. ``host``, when given, is a host copy of ``src`` (a numpy uint8
-        array, same offsets): for algorithms whose RAW header records the uncompressed size
-        (ANS), the sizes are checked there and the chunks decoded with a configuration built from
-        them, without nvCOMP's two size read-backs (synchronizations) per call; nvCOMP does not
-        write past a configured output size (bench/probe_ans_header.py)."""
+    def decode(self, src, src_offsets, src_sizes, dst, dst_offsets, dst_sizes):
         if not src_sizes:
             return
         self._check_sizes(dst_sizes)
         nv = _nvcomp()
         codec = self._nv(dst.device)
-        verified = host is not None and self._header_check(codec)
-        if verified:
-            self._verify_headers(host, src_offsets, src_sizes, dst_sizes)
         if src.device != dst.device:
             src = src.to(dst.device, non_blocking=True)
         sbuf, soffs = self._aligned(src, src_offsets, src_sizes)
@@ -259,12 +183,8 @@ class NvcompCodec(Codec):
                 continue
             want = [int(dst_sizes[i]) for i in idx]
             try:
-                arrs = nv.as_arrays(sbuf, [soffs[i] for i in idx], [src_sizes[i] for i in idx])
-                if verified:
-                    cfg = codec.decompression_config(codec.compression_config(want))
-                    codec.decode(arrs, out=nv.as_arrays(buf, offs, want), decompression_config=cfg)
-                    continue
-                res = codec.decode(arrs, out=nv.as_arrays(buf, offs, want))
+                res = codec.decode(nv.as_arrays(sbuf, [soffs[i] for i in idx], [src_sizes[i] for i in idx]),
+                                   out=nv.as_arrays(buf, offs, want))
                 got = [int(x) for x in res.buffer_sizes]
             except Exception as e:
                 raise CodecError(f"nvCOMP {self.algorithm} decode failed: {e}") from None
@@ -309,8 +229,6 @@ LZ4GPU = _gpu_codec("lz4", "LZ4", ("data_type",))
 SnappyGPU = _gpu_codec("snappy", "Snappy")
 BitcompGPU = _gpu_codec("bitcomp", "Bitcomp", ("data_type", "algorithm_type"), None, 1 << 20)
 CascadedGPU = _gpu_codec("cascaded", "Cascaded", ("data_type",))
-#: nvCOMP 6.0's RAW ANS chunk starts with its uncompressed size (uint32 LE), for every data type
-ANSGPU.header_size_at = 0
 #: 1 MiB Cascaded chunks decoded to other sizes than declared on nvCOMP 6.0 (seen on an H100);
 #: 64 KiB chunks round-trip, so no larger chunk is written or accepted
 CascadedGPU.max_chunk = 64 * 1024
