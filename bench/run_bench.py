@@ -282,6 +282,8 @@ def main():
         locality["coders"] = probe_vexp.main(state)
     except Exception as e:  # noqa: BLE001
         locality["coders"] = str(e)
+    with open(os.path.join(a.out, "bench_partial.json"), "w") as f:  # in case the e2e part is cut off
+        json.dump({"info": info, "components": per, "adam_v_exponent": locality}, f, indent=1, default=str)
     whole = e2e(state, a.disk)
     res = {"info": info, "components": per, "end_to_end": whole, "adam_v_exponent": locality}
     with open(os.path.join(a.out, "bench.json"), "w") as f:
