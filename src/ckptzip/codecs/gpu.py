@@ -71,6 +71,10 @@ def _make_codec(algorithm: str, device: int, stream: int, opts: tuple):
                     bitstream_kind=nv.BitstreamKind.RAW, **dict(opts))
 
 
+#: chunks up to this size are compressed in their own nvCOMP call (see NvcompCodec.encode)
+SMALL_CHUNK = 128 * 1024
+
+
 def _ceil(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
@@ -150,25 +154,33 @@ class NvcompCodec(Codec):
         if not sizes:
             return torch.empty(0, dtype=torch.uint8, device=src.device), [], []
         buf, offs = self._aligned(src, offsets, sizes)
-        # each chunk gets nvCOMP's worst case for its own size: sizing every slot for the largest
-        # chunk made a group of 64 KiB exponent chunks next to 1 MiB ones reserve ~5x its input
-        # (sizes rounded up to a power of two: nvCOMP's bound grows with the size, and the bounds
-        # asked for, one nvCOMP query each, stay a handful)
+        # nvCOMP wants every output slot of a call to hold the worst case of the call's largest
+        # chunk; a group of 64 KiB exponent chunks beside 1 MiB ones then reserved ~5x its input
+        # (3 GB during a save), so small and large chunks go to separate calls
         arr = np.asarray(sizes, dtype=np.int64)
-        buckets = np.left_shift(1, np.ceil(np.log2(np.maximum(arr, 16))).astype(np.int64))
-        uniq, inv = np.unique(np.minimum(buckets, self.max_chunk), return_inverse=True)
-        caps = np.array([_ceil(self._max_out(nv, codec, int(n)), self._align) for n in uniq], dtype=np.int64)[inv]
-        ends = np.cumsum(caps)
-        out = torch.empty(int(ends[-1]), dtype=torch.uint8, device=src.device)
-        out_offs = (ends - caps).tolist()
+        small = arr <= SMALL_CHUNK
+        calls = [np.nonzero(m)[0] for m in (small, ~small) if m.any()]
+        caps = [_ceil(self._max_out(nv, codec, int(arr[idx].max())), self._align) for idx in calls]
+        out = torch.empty(sum(c * len(idx) for c, idx in zip(caps, calls)), dtype=torch.uint8, device=src.device)
+        out_offs = np.zeros(len(arr), dtype=np.int64)
+        slot = np.zeros(len(arr), dtype=np.int64)
+        got = np.zeros(len(arr), dtype=np.int64)
+        pos = 0
         try:
-            res = codec.encode(nv.as_arrays(buf, list(offs), list(sizes)),
-                               out=nv.as_arrays(out, out_offs, caps.tolist()))
-            got = [int(x) for x in res.buffer_sizes]
+            results = []  # both calls are launched before either's sizes are read back
+            for cap, idx in zip(caps, calls):
+                out_offs[idx] = pos + cap * np.arange(len(idx))
+                slot[idx] = cap
+                pos += cap * len(idx)
+                results.append(codec.encode(nv.as_arrays(buf, [offs[i] for i in idx], arr[idx].tolist()),
+                                            out=nv.as_arrays(out, out_offs[idx].tolist(), [cap] * len(idx))))
+            for idx, res in zip(calls, results):
+                got[idx] = [int(x) for x in res.buffer_sizes]
         except Exception as e:
             raise CodecError(f"nvCOMP {self.algorithm} encode failed: {e}") from None
-        if len(got) != len(sizes) or not ((np.asarray(got) > 0) & (np.asarray(got) <= caps)).all():
+        if not ((got > 0) & (got <= slot)).all():
             raise CodecError(f"nvCOMP {self.algorithm} encode returned impossible sizes")
+        out_offs, got = out_offs.tolist(), got.tolist()
         return out, out_offs, got
 
     def decode(self, src, src_offsets, src_sizes, dst, dst_offsets, dst_sizes):
