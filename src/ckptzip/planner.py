@@ -165,6 +165,7 @@ class Planner:
                 for p, n in enumerate(per_plane.tolist()):
                     acc[p] += int(n)
                 k += c
+            del enc  # free this group's GPU buffers before the next is encoded
         for i, (ref, var) in enumerate(zip(refs, variants)):
             if var:
                 plans[i] = self._decide(ref, plans[i], var, stored, i)
