@@ -2,15 +2,8 @@
 import os, sys, time, torch
 sys.path.insert(0, "bench")
 import ckptzip
-from gpt import GPT
-torch.manual_seed(0)
-m = GPT().cuda(); opt = torch.optim.AdamW(m.parameters())
-x = torch.randint(0, 256, (4, 128), device="cuda")
-with torch.autocast("cuda", torch.bfloat16):
-    m(x).float().mean().backward()
-opt.step()
-sd = m.state_dict()
-st = {"model": sd, "model_bf16": {k: v.to(torch.bfloat16) for k, v in sd.items()}, "optimizer": opt.state_dict()}
+from gpt import one_step_state
+st = one_step_state()
 os.makedirs("/tmp/d", exist_ok=True)
 for i in range(4):
     torch.cuda.synchronize(); t = time.perf_counter()

@@ -103,3 +103,17 @@ def components(state: dict) -> dict[str, list[torch.Tensor]]:
             "fp32 weights": list(state["model"].values()),
             "adam m": [s["exp_avg"] for s in st],
             "adam v": [s["exp_avg_sq"] for s in st]}
+
+
+def one_step_state(device: str = "cuda") -> dict:
+    """The benchmark GPT after one AdamW step (fp32 weights, a bf16 copy, Adam m and v): the
+    tensor layout of a real checkpoint without training time, for timing probes."""
+    torch.manual_seed(0)
+    m = GPT().to(device)
+    opt = torch.optim.AdamW(m.parameters())
+    x = torch.randint(0, 256, (4, 128), device=device)
+    with torch.autocast(device, torch.bfloat16):
+        m(x).float().mean().backward()
+    opt.step()
+    sd = m.state_dict()
+    return {"model": sd, "model_bf16": {k: v.to(torch.bfloat16) for k, v in sd.items()}, "optimizer": opt.state_dict()}

@@ -14,19 +14,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ckptzip  # noqa: E402
-from gpt import GPT  # noqa: E402
+from gpt import one_step_state  # noqa: E402
 
 
 def main():
-    torch.manual_seed(0)
-    m = GPT().cuda()
-    opt = torch.optim.AdamW(m.parameters())
-    x = torch.randint(0, 256, (4, 128), device="cuda")
-    with torch.autocast("cuda", torch.bfloat16):
-        m(x).float().mean().backward()
-    opt.step()
-    sd = m.state_dict()
-    st = {"model": sd, "model_bf16": {k: v.to(torch.bfloat16) for k, v in sd.items()}, "optimizer": opt.state_dict()}
+    st = one_step_state()
     os.makedirs("/tmp/d", exist_ok=True)
     for i in range(3):
         torch.cuda.synchronize()

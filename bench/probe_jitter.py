@@ -19,6 +19,14 @@ from ckptzip.engine import Job, decode_group, encode_group_arrays, gather_gpu, g
 from ckptzip.planner import Planner  # noqa: E402
 
 
+def decode_all(packed, plan, dst):
+    pos = 0
+    for u, buf, rows, soffs in packed:
+        n = u.data.numel()
+        decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), pos, pos + n)], "cuda")
+        pos += n
+
+
 def main():
     torch.manual_seed(0)
     w = torch.randn(86 << 20, device="cuda") * 0.02
@@ -48,12 +56,7 @@ def main():
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             a.record()
-            pos = 0
-            for u, buf, rows, soffs in packed:
-                n = u.data.numel()
-                decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), pos, pos + n)],
-                             "cuda")
-                pos += n
+            decode_all(packed, plan, dst)
             b.record()
             t1 = time.perf_counter()
             torch.cuda.synchronize()
@@ -63,12 +66,7 @@ def main():
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                pos = 0
-                for u, buf, rows, soffs in packed:
-                    k = u.data.numel()
-                    decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), pos, pos + k)],
-                                 "cuda")
-                    pos += k
+                decode_all(packed, plan, dst)
                 torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
