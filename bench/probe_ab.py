@@ -1,10 +1,11 @@
-"""Exploration on a GPU: A/B of engine switches on the planned encode+pack and decode of 343 MB
+"""Exploration on a GPU: A/B of segment copies on the planned encode+pack and decode of 343 MB
 fp32 / 172 MB bf16 synthetic weights, variants interleaved round by round in one process (drift
 and clock changes hit all alike), the GPU kept at full clocks by a busy kernel before each timed
-section (as in a training loop). Variants: nvCOMP scratch allocator (torch / nvCOMP's own) (set
-by CKPTZIP_NVCOMP_ALLOCATOR, one per process) x header-checked sync-free ANS decode (on / off).
+section (as in a training loop). Variants: segments of 1 MiB and more copied by copy_ (the
+engine's choice) or every segment by the Triton kernel. The allocator and header-checked decode
+variants tried earlier in the session, and their results: docs/benchmarks.md.
 
-    CKPTZIP_NVCOMP_ALLOCATOR=torch|nvcomp PYTHONPATH=src python bench/probe_ab.py
+    PYTHONPATH=src python bench/probe_ab.py
 """
 import json
 import os
@@ -61,8 +62,7 @@ def main():
     G._nvcomp()
     torch.manual_seed(0)
     w = torch.randn(86 << 20, device="cuda") * 0.02
-    alloc_name = os.environ.get("CKPTZIP_NVCOMP_ALLOCATOR", "torch")
-    variants = [(alloc_name, big) for big in (1 << 20, 1 << 62)]
+    variants = [1 << 20, 1 << 62]
     for name, t in (("fp32", w), ("bf16", w.bfloat16())):
         ref = ref_of(t)
         win = gpu_window()
@@ -71,16 +71,16 @@ def main():
         dst = torch.empty_like(ref.data)
         times = {v: ([], []) for v in variants}
         for rnd in range(16):
-            for alloc, big in variants:
+            for big in variants:
                 engine.BIG_COPY = big
                 te, td = one(plan, units, dst)
                 if rnd:
-                    times[(alloc, big)][0].append(te)
-                    times[(alloc, big)][1].append(td)
+                    times[big][0].append(te)
+                    times[big][1].append(td)
         n = ref.data.numel()
         assert torch.equal(dst, ref.data)
         for v, (e, d) in times.items():
-            print(json.dumps({"data": name, "alloc": v[0], "big_copy": v[1],
+            print(json.dumps({"data": name, "big_copy": v,
                               "c_med": round(n / statistics.median(e) / 1e9, 1), "c_best": round(n / min(e) / 1e9, 1),
                               "d_med": round(n / statistics.median(d) / 1e9, 1), "d_best": round(n / min(d) / 1e9, 1)}), flush=True)
 

@@ -96,7 +96,8 @@ def test_peak_gpu_memory_bounded(tmp_path):
 
 def test_peak_gpu_memory_bounded_gpu_state_mixed_chunks(tmp_path):
     """GPU-resident tensors whose plans mix 64 KiB exponent chunks with 1 MiB ones (as Adam's v
-    gets): compressed outputs are sized per chunk, not by the largest chunk."""
+    gets): small and large chunks get separate nvCOMP calls, so output slots are not all sized
+    for the largest chunk."""
     torch.manual_seed(0)
     st = {"v": (torch.randn(96 << 20, device="cuda") * 1e-3) ** 2,
           "w": (torch.randn(64 << 20, device="cuda") * 0.02).bfloat16()}

@@ -60,7 +60,6 @@ def decode(src: torch.Tensor, dst: torch.Tensor, width: int, block: int) -> None
 
 
 SEG_TILE = 16384
-PIN_TABLE = True  # upload the tile table from pinned memory without a sync (else a pageable copy)
 
 
 @triton.jit
@@ -87,6 +86,5 @@ def copy_segments(src: torch.Tensor, soffs, dst: torch.Tensor, doffs, lens, ends
     k = (np.arange(len(seg)) - first) * SEG_TILE
     table = np.stack([soffs[seg] + k, doffs[seg] + k, np.clip(lens[seg] - k, 0, SEG_TILE),
                       np.clip(ends[seg] - k, 0, SEG_TILE)])
-    t = torch.from_numpy(table)
-    t = t.pin_memory().to(src.device, non_blocking=True) if PIN_TABLE else t.to(src.device)
+    t = torch.from_numpy(table).pin_memory().to(src.device, non_blocking=True)
     _copy_tiles[(len(seg),)](src, dst, t[0], t[1], t[2], t[3], BLOCK=4096, TILE=SEG_TILE)

@@ -278,13 +278,15 @@ def copy_segments(src: torch.Tensor, soffs: np.ndarray, dst: torch.Tensor, doffs
         lens, soffs, doffs = np.add.reduceat(lens, starts), soffs[starts], doffs[starts]
         ends = lens + pads
     tk = _triton() if src.is_cuda else None
-    big = lens >= BIG_COPY if tk is not None else np.ones(len(lens), dtype=bool)
-    for s, d, n, e in zip(soffs[big].tolist(), doffs[big].tolist(), lens[big].tolist(), ends[big].tolist()):
-        dst[d:d + n].copy_(src[s:s + n])
-        if e > n and tk is None:
-            dst[d + n:d + e].zero_()
     if tk is None:
+        for s, d, n, e in zip(soffs.tolist(), doffs.tolist(), lens.tolist(), ends.tolist()):
+            dst[d:d + n].copy_(src[s:s + n])
+            if e > n:
+                dst[d + n:d + e].zero_()
         return
+    big = lens >= BIG_COPY
+    for s, d, n in zip(soffs[big].tolist(), doffs[big].tolist(), lens[big].tolist()):
+        dst[d:d + n].copy_(src[s:s + n])
     small = ~big
     pad_big = big & (ends > lens)  # padding after a plain copy: zero-only tiles
     if small.any() or pad_big.any():
