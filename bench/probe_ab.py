@@ -1,9 +1,9 @@
-"""Exploration on a GPU: A/B of segment copies on the planned encode+pack and decode of 343 MB
-fp32 / 172 MB bf16 synthetic weights, variants interleaved round by round in one process (drift
-and clock changes hit all alike), the GPU kept at full clocks by a busy kernel before each timed
-section (as in a training loop). Variants: segments of 1 MiB and more copied by copy_ (the
-engine's choice) or every segment by the Triton kernel. The allocator and header-checked decode
-variants tried earlier in the session, and their results: docs/benchmarks.md.
+"""Exploration on a GPU: A/B of the nvCOMP call path on the planned encode+pack and decode of
+343 MB fp32 / 172 MB bf16 synthetic weights, variants interleaved round by round in one process
+(drift and clock changes hit all alike), the GPU kept at full clocks by a busy kernel before each
+timed section (as in a training loop). Variants: ANS through nvCOMP's C API (ctypes, the
+engine's choice) or through the Python binding. Earlier A/Bs (segment copies, allocator,
+header-checked decode) and their results: docs/benchmarks.md.
 
     PYTHONPATH=src python bench/probe_ab.py
 """
@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_throughput import ref_of  # noqa: E402
 
-from ckptzip import engine  # noqa: E402
+from ckptzip.codecs import _capi  # noqa: E402
 from ckptzip.codecs import gpu as G  # noqa: E402
 from ckptzip.engine import Job, decode_group, encode_group_arrays, gather_gpu, gpu_window, units_of  # noqa: E402
 from ckptzip.planner import Planner  # noqa: E402
@@ -50,11 +50,13 @@ def one(plan, units, dst):
     spin()
     t0 = time.perf_counter()
     pos = 0
-    for u, buf, rows, soffs in packed:
-        k = u.data.numel()
-        decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), pos, pos + k)], "cuda")
-        pos += k
-    torch.cuda.synchronize()
+    with _capi.deferred_checks():
+        for u, buf, rows, soffs in packed:
+            k = u.data.numel()
+            decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), pos, pos + k)],
+                         "cuda")
+            pos += k
+        torch.cuda.synchronize()
     return te, time.perf_counter() - t0
 
 
@@ -62,7 +64,7 @@ def main():
     G._nvcomp()
     torch.manual_seed(0)
     w = torch.randn(86 << 20, device="cuda") * 0.02
-    variants = [1 << 20, 1 << 62]
+    variants = ["capi", "binding"]
     for name, t in (("fp32", w), ("bf16", w.bfloat16())):
         ref = ref_of(t)
         win = gpu_window()
@@ -71,16 +73,18 @@ def main():
         dst = torch.empty_like(ref.data)
         times = {v: ([], []) for v in variants}
         for rnd in range(16):
-            for big in variants:
-                engine.BIG_COPY = big
+            for v in variants:
+                plan.codec.__dict__.pop("_c", None)
+                if v == "binding":
+                    plan.codec.__dict__["_c"] = None
                 te, td = one(plan, units, dst)
                 if rnd:
-                    times[big][0].append(te)
-                    times[big][1].append(td)
+                    times[v][0].append(te)
+                    times[v][1].append(td)
         n = ref.data.numel()
         assert torch.equal(dst, ref.data)
         for v, (e, d) in times.items():
-            print(json.dumps({"data": name, "big_copy": v,
+            print(json.dumps({"data": name, "path": v,
                               "c_med": round(n / statistics.median(e) / 1e9, 1), "c_best": round(n / min(e) / 1e9, 1),
                               "d_med": round(n / statistics.median(d) / 1e9, 1), "d_best": round(n / min(d) / 1e9, 1)}), flush=True)
 

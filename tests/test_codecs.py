@@ -115,3 +115,42 @@ def test_byteplane_numpy_and_torch_paths_agree(width, n, block):
     bp.decode(a, x)
     bp._torch_decode(a, y)
     assert torch.equal(x, raw) and torch.equal(y, raw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [{"data_type": "|u1"}, {"data_type": "<f2"}, {"data_type": "<f4"}, {"data_type": "|f1"},
+                                 {"data_type": "<f4", "max_sub_chunk_count": 16}])
+@pytest.mark.parametrize("wire", ["ans", "zstd"])
+def test_c_api_and_binding_read_each_other(monkeypatch, wire, cfg):
+    """ANS and Zstd go through nvCOMP's C API (ctypes); the Python binding (CKPTZIP_NVCOMP_CAPI=0)
+    must read what it writes and the other way round, with deferred and immediate checks."""
+    from ckptzip.codecs import _capi
+    from ckptzip.codecs.gpu import SMALL_CHUNK
+    cfg = cfg if wire == "ans" else {}
+    data = sample_data(3_000_000).cuda()
+    offs, sizes = chunks_of(data, 1 << 20)
+    offs2, sizes2 = chunks_of(data[:SMALL_CHUNK * 3], SMALL_CHUNK // 2)  # a second, small-chunk call
+    offs, sizes = offs + offs2, sizes + sizes2
+    both = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("CKPTZIP_NVCOMP_CAPI", flag)
+        c = get_codec({"id": wire, **cfg}, "cuda")
+        assert (c._c is not None) == (flag == "1")
+        both.append(c)
+    for enc, dec in ((both[0], both[1]), (both[1], both[0]), (both[0], both[0])):
+        dst, doffs, dsizes = enc.encode(data, offs, sizes)
+        out = torch.zeros(sum(sizes), dtype=torch.uint8, device="cuda")
+        outs = [sum(sizes[:i]) for i in range(len(sizes))]
+        with _capi.deferred_checks():
+            dec.decode(dst, doffs, dsizes, out, outs, sizes)
+        assert torch.equal(out, torch.cat([data[o:o + n] for o, n in zip(offs, sizes)]))
+        # a declared size that is wrong is an exception, deferred or not
+        bad = list(sizes)
+        bad[0] -= 16
+        for deferred in (False, True):
+            with pytest.raises(ckptzip.CodecError):
+                if deferred:
+                    with _capi.deferred_checks():
+                        dec.decode(dst, doffs, dsizes, out, outs, bad)
+                else:
+                    dec.decode(dst, doffs, dsizes, out, outs, bad)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .codecs import _capi
 from .codecs.base import Codec, get_codec
 from .errors import ChecksumError, CorruptFileError
 from .format import FLAG_STORED_RAW, ROW, checksum
@@ -524,18 +525,8 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     t = threading.Thread(target=reader, name="ckptzip-reader", daemon=True)
     t.start()
     try:
-        for grp in grouped:
-            slot, host, soffs, rows, err = q.get()
-            if err is not None:
-                raise err
-            work = grp[0][0].codec.device
-            src = host.to(work, non_blocking=True) if work != "cpu" else host
-            decode_group(src, soffs, rows, grp, work)
-            if work == "cuda":
-                torch.cuda.current_stream().synchronize()  # the pinned slot may be refilled now
-            free.put(slot)
-            if progress:
-                progress(sum(b - a for _j, _i, _jj, a, b in grp))
+        with _capi.deferred_checks():
+            _decode_loop(grouped, q, free, progress)
     finally:
         stop.set()
         while t.is_alive():  # unblock a reader waiting for a slot or for queue room
@@ -545,6 +536,23 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
             except queue.Empty:
                 pass
             t.join(timeout=0.01)
+
+
+def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress) -> None:
+    """Consume what the reader thread queued: decode each group, hand its slot back."""
+    for grp in grouped:
+        slot, host, soffs, rows, err = q.get()
+        if err is not None:
+            raise err
+        work = grp[0][0].codec.device
+        src = host.to(work, non_blocking=True) if work != "cpu" else host
+        decode_group(src, soffs, rows, grp, work)
+        if work == "cuda":
+            torch.cuda.current_stream().synchronize()  # the pinned slot may be refilled now
+            _capi.check_decodes()
+        free.put(slot)
+        if progress:
+            progress(sum(b - a for _j, _i, _jj, a, b in grp))
 
 
 def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: list, work: str) -> None:

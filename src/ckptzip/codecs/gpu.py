@@ -11,6 +11,7 @@ wrote. GPU-only bitstreams (ANS, Bitcomp, Cascaded, GDeflate, LZ4, Snappy) raise
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from typing import Any, ClassVar
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import CodecError, GPURequiredError, UnknownCodecError
+from . import _capi
 from .base import Codec, register
 
 _LOCK = threading.Lock()
@@ -98,8 +100,21 @@ class NvcompCodec(Codec):
     #: LZ-style codecs parallelise over chunks and want many small ones
     preferred_chunk: ClassVar[int] = 64 * 1024
 
+    #: name in nvCOMP's C API when this codec is called through it (see ``_capi``), else None
+    capi: ClassVar[str | None] = None
+
     def _opts(self) -> tuple:
         return tuple(sorted(self.config.items()))
+
+    @functools.cached_property
+    def _c(self):
+        """(compress options, decompress options) for the C API path, or None for the binding.
+        CKPTZIP_NVCOMP_CAPI=0 forces the binding (same bitstreams)."""
+        if self.capi is None or os.environ.get("CKPTZIP_NVCOMP_CAPI", "1") == "0" or not _capi.available():
+            return None
+        if self.capi == "ANS":
+            return _capi.ans_opts(self.config.get("data_type", "|u1"), int(self.config.get("max_sub_chunk_count", 0)))
+        return _capi.zstd_opts()
 
     def _nv(self, dev: torch.device):
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -160,7 +175,11 @@ class NvcompCodec(Codec):
         arr = np.asarray(sizes, dtype=np.int64)
         small = arr <= SMALL_CHUNK
         calls = [np.nonzero(m)[0] for m in (small, ~small) if m.any()]
-        caps = [_ceil(self._max_out(nv, codec, int(arr[idx].max())), self._align) for idx in calls]
+        c = self._c
+        if c is not None:
+            caps = [_ceil(_capi.max_output(self.capi, bytes(c[0]), int(arr[idx].max())), self._align) for idx in calls]
+        else:
+            caps = [_ceil(self._max_out(nv, codec, int(arr[idx].max())), self._align) for idx in calls]
         out = torch.empty(sum(c * len(idx) for c, idx in zip(caps, calls)), dtype=torch.uint8, device=src.device)
         out_offs = np.zeros(len(arr), dtype=np.int64)
         slot = np.zeros(len(arr), dtype=np.int64)
@@ -172,10 +191,16 @@ class NvcompCodec(Codec):
                 out_offs[idx] = pos + cap * np.arange(len(idx))
                 slot[idx] = cap
                 pos += cap * len(idx)
+                if c is not None:
+                    results.append(_capi.compress(self.capi, c[0], buf, [offs[i] for i in idx], arr[idx], out,
+                                                  out_offs[idx], cap))
+                    continue
                 results.append(codec.encode(nv.as_arrays(buf, [offs[i] for i in idx], arr[idx].tolist()),
                                             out=nv.as_arrays(out, out_offs[idx].tolist(), [cap] * len(idx))))
             for idx, res in zip(calls, results):
-                got[idx] = [int(x) for x in res.buffer_sizes]
+                got[idx] = res.sizes() if c is not None else [int(x) for x in res.buffer_sizes]
+        except CodecError:
+            raise
         except Exception as e:
             raise CodecError(f"nvCOMP {self.algorithm} encode failed: {e}") from None
         if not ((got > 0) & (got <= slot)).all():
@@ -202,6 +227,10 @@ class NvcompCodec(Codec):
             if not idx:
                 continue
             want = [int(dst_sizes[i]) for i in idx]
+            if self._c is not None:  # asynchronous; sizes and statuses checked by _capi
+                _capi.decompress(self.capi, self._c[1], sbuf, [soffs[i] for i in idx], [src_sizes[i] for i in idx],
+                                 buf, offs, want)
+                continue
             try:
                 res = codec.decode(nv.as_arrays(sbuf, [soffs[i] for i in idx], [src_sizes[i] for i in idx]),
                                    out=nv.as_arrays(buf, offs, want))
@@ -243,6 +272,7 @@ def _dtypes(allowed):
 ANSGPU = _gpu_codec("ans", "ANS", ("data_type",), _dtypes(("|u1", "<f2", "<f4", "|f1", "|i1")), 1 << 20,
                     ("max_sub_chunk_count",))
 ZstdGPU = _gpu_codec("zstd", "Zstd")
+ANSGPU.capi, ZstdGPU.capi = "ANS", "Zstd"
 DeflateGPU = _gpu_codec("deflate", "Deflate")
 GDeflateGPU = _gpu_codec("gdeflate", "GDeflate")
 LZ4GPU = _gpu_codec("lz4", "LZ4", ("data_type",))

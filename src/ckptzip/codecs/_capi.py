@@ -1,0 +1,232 @@
+"""nvCOMP's batched C API through ctypes, for the codecs on the throughput path (ANS, Zstd).
+
+The Python binding (``nvidia.nvcomp``) allocates and frees pinned host memory around every call,
+and ``cudaFreeHost`` waits for the whole device, so no call could overlap the GPU work queued
+before it. Called directly, a batched call is: one pinned host-to-device copy of the chunk table
+(pointers and sizes), the kernel launch, and, for compression, one device-to-host copy of the
+compressed sizes and statuses. Temporary memory comes from torch's caching allocator on the
+current stream. Nothing here synchronizes except reading compressed sizes back
+(:meth:`Batch.sizes`); decode statuses are checked when the caller asks (:func:`check_decodes`).
+
+Everything nvCOMP is told comes from sizes we validated: chunk sizes within the algorithm's limit,
+output slots of at least nvCOMP's worst-case compressed size, decode outputs we allocated with the
+sizes our manifest declares. The same bitstreams as the Python binding's RAW kind are produced and
+read (the binding calls these functions).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import struct
+import threading
+
+import numpy as np
+import torch
+
+from ..errors import CodecError
+
+_DTYPES = {"|i1": 0, "|u1": 1, "|f1": 9, "<f2": 10, "<f4": 11}
+_DEFAULT_BACKEND = 0
+_TYPE_BITS = 0xFF
+
+
+class _Opts(ctypes.Structure):
+    """Every options struct of the algorithms used here is 64 bytes, 4-byte aligned."""
+    _fields_ = [("words", ctypes.c_uint32 * 16)]
+
+    @classmethod
+    def of(cls, raw: bytes) -> "_Opts":
+        o = cls()
+        ctypes.memmove(ctypes.addressof(o), raw.ljust(64, b"\0"), 64)
+        return o
+
+
+def ans_opts(data_type: str = "|u1", max_sub_chunk_count: int = 0) -> tuple[_Opts, _Opts]:
+    """(compress, decompress) options for ANS; the decoder reads the data type from the stream."""
+    if data_type not in _DTYPES:
+        raise CodecError(f"ANS data_type {data_type!r} not in {sorted(_DTYPES)}")
+    comp = struct.pack("<iiBBB", 0, _DTYPES[data_type], int(max_sub_chunk_count), 0, 0)
+    dec = struct.pack("<iIBBB", _DEFAULT_BACKEND, _TYPE_BITS, 0, 0, 0)
+    return _Opts.of(comp), _Opts.of(dec)
+
+
+def zstd_opts() -> tuple[_Opts, _Opts]:
+    return _Opts.of(b""), _Opts.of(struct.pack("<i", _DEFAULT_BACKEND))
+
+
+_SZ = ctypes.c_size_t
+_P = ctypes.c_void_p
+
+
+@functools.lru_cache(maxsize=1)
+def _lib():
+    """libnvcomp.so.6 from the nvidia-libnvcomp wheel (the one the Python binding loaded)."""
+    import nvidia.libnvcomp as pkg  # noqa: PLC0415
+    base = os.path.dirname(pkg.__file__)
+    for sub in ("lib64", "lib", "bin"):
+        path = os.path.join(base, sub, "libnvcomp.so.6")
+        if os.path.isfile(path):
+            lib = ctypes.CDLL(path, ctypes.RTLD_LOCAL)
+            break
+    else:
+        raise OSError(f"libnvcomp.so.6 not found under {base}")
+    for alg in ("ANS", "Zstd"):
+        p = f"nvcompBatched{alg}"
+        _sig(lib, p + "CompressGetMaxOutputChunkSize", [_SZ, _Opts, ctypes.POINTER(_SZ)])
+        _sig(lib, p + "CompressGetTempSize", [_SZ, _SZ, _Opts, ctypes.POINTER(_SZ), _SZ, _P])
+        _sig(lib, p + "DecompressGetTempSize", [_SZ, _SZ, _Opts, ctypes.POINTER(_SZ), _SZ, _P])
+        _sig(lib, p + "CompressAsync", [_P, _P, _SZ, _SZ, _P, _SZ, _P, _P, _Opts, _P, _P])
+        _sig(lib, p + "DecompressAsync", [_P, _P, _P, _P, _SZ, _P, _SZ, _P, _Opts, _P, _P])
+    return lib
+
+
+def _sig(lib, name, args) -> None:
+    f = getattr(lib, name)
+    f.argtypes, f.restype = args, ctypes.c_int
+
+
+def available() -> bool:
+    try:
+        _lib()
+    except Exception:
+        return False
+    return True
+
+
+def _call(name: str, *args) -> None:
+    st = getattr(_lib(), name)(*args)
+    if st != 0:
+        raise CodecError(f"nvCOMP {name} returned status {st}")
+
+
+@functools.lru_cache(maxsize=256)
+def max_output(alg: str, comp_opts_raw: bytes, chunk: int) -> int:
+    """nvCOMP's worst-case compressed size of a ``chunk``-byte chunk."""
+    out = _SZ(0)
+    _call(f"nvcompBatched{alg}CompressGetMaxOutputChunkSize", _SZ(chunk), _Opts.of(comp_opts_raw),
+          ctypes.byref(out))
+    return int(out.value)
+
+
+def _table(*cols: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Columns of int64 uploaded as one (len(cols), n) device tensor through pinned memory
+    (torch's host allocator keeps the pinned block until the copy has run)."""
+    host = torch.from_numpy(np.stack([np.asarray(c, dtype=np.int64) for c in cols]))
+    if torch.cuda.is_available():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def compress(alg: str, opts: _Opts, src: torch.Tensor, offs, sizes, out: torch.Tensor, out_offs,
+             cap: int) -> "Batch":
+    """Compress chunks ``src[offs[i]:+sizes[i]]`` into ``out[out_offs[i]:+cap]`` (``cap`` at least
+    :func:`max_output` of the largest chunk; all 16-byte aligned, checked by the caller)."""
+    dev = src.device
+    sizes = np.asarray(sizes, dtype=np.int64)
+    n = len(sizes)
+    tab = _table(np.asarray(offs, dtype=np.int64) + src.data_ptr(), sizes,
+                 np.asarray(out_offs, dtype=np.int64) + out.data_ptr(), device=dev)
+    res = torch.empty(2, n, dtype=torch.int64, device=dev)  # compressed sizes, statuses (int32)
+    res[1].zero_()
+    stream = _stream(dev)
+    mx, total = int(sizes.max()), int(sizes.sum())
+    temp_n = _SZ(0)
+    _call(f"nvcompBatched{alg}CompressGetTempSize", _SZ(n), _SZ(mx), opts, ctypes.byref(temp_n), _SZ(total),
+          _P(stream))
+    temp = torch.empty(max(int(temp_n.value), 1), dtype=torch.uint8, device=dev)
+    _call(f"nvcompBatched{alg}CompressAsync", _P(tab[0].data_ptr()), _P(tab[1].data_ptr()), _SZ(mx), _SZ(n),
+          _P(temp.data_ptr()), temp_n, _P(tab[2].data_ptr()), _P(res[0].data_ptr()), opts,
+          _P(res[1].data_ptr()), _P(stream))
+    host = torch.empty(2, n, dtype=torch.int64, pin_memory=True)
+    host.copy_(res, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    return Batch(host, ev, (tab, res, temp), cap)
+
+
+class Batch:
+    """A launched compression; :meth:`sizes` waits for it and returns the compressed sizes."""
+
+    def __init__(self, host: torch.Tensor, ev, keep, cap: int) -> None:
+        self._host, self._ev, self._keep, self._cap = host, ev, keep, cap
+
+    def sizes(self) -> np.ndarray:
+        self._ev.synchronize()
+        got = self._host[0].numpy().copy()
+        st = self._host[1].numpy().view(np.int32)[:len(got)]  # n int32 statuses at the row's start
+        self._keep = None
+        if (st != 0).any():
+            raise CodecError(f"nvCOMP compression failed with status {int(st[st != 0][0])}")
+        if not ((got > 0) & (got <= self._cap)).all():
+            raise CodecError("nvCOMP compression returned impossible sizes")
+        return got
+
+
+_PENDING = threading.local()
+
+
+def decompress(alg: str, opts: _Opts, src: torch.Tensor, offs, sizes, dst: torch.Tensor, dst_offs,
+               dst_sizes) -> None:
+    """Decode chunks into ``dst[dst_offs[i]:+dst_sizes[i]]`` (allocated by the caller from the
+    manifest's sizes; nvCOMP does not write past them). Asynchronous: whether every chunk
+    decoded to exactly its declared size is recorded on the device and raised by
+    :func:`check_decodes`."""
+    dev = dst.device
+    dst_sizes = np.asarray(dst_sizes, dtype=np.int64)
+    n = len(dst_sizes)
+    tab = _table(np.asarray(offs, dtype=np.int64) + src.data_ptr(), sizes,
+                 np.asarray(dst_offs, dtype=np.int64) + dst.data_ptr(), dst_sizes, device=dev)
+    res = torch.empty(2, n, dtype=torch.int64, device=dev)  # decoded sizes, statuses (int32)
+    res[1].fill_(-1)
+    stream = _stream(dev)
+    mx, total = int(dst_sizes.max()), int(dst_sizes.sum())
+    temp_n = _SZ(0)
+    _call(f"nvcompBatched{alg}DecompressGetTempSize", _SZ(n), _SZ(mx), opts, ctypes.byref(temp_n), _SZ(total),
+          _P(stream))
+    temp = torch.empty(max(int(temp_n.value), 1), dtype=torch.uint8, device=dev)
+    _call(f"nvcompBatched{alg}DecompressAsync", _P(tab[0].data_ptr()), _P(tab[1].data_ptr()),
+          _P(tab[3].data_ptr()), _P(res[0].data_ptr()), _SZ(n), _P(temp.data_ptr()), temp_n,
+          _P(tab[2].data_ptr()), opts, _P(res[1].data_ptr()), _P(stream))
+    st = res[1].view(torch.int32)[:n]  # n int32 statuses at the row's start
+    bad = ((st != 0) | (res[0] != tab[3])).any().reshape(1)
+    flags = getattr(_PENDING, "flags", None)
+    if flags is None:
+        flags = _PENDING.flags = []
+    flags.append(bad)
+    if not getattr(_PENDING, "depth", 0):
+        check_decodes()
+
+
+@contextlib.contextmanager
+def deferred_checks():
+    """Within this block, decodes on this thread do not wait for their own result: the caller
+    calls :func:`check_decodes` where it synchronizes anyway (and the block's end does)."""
+    _PENDING.depth = getattr(_PENDING, "depth", 0) + 1
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        _PENDING.depth -= 1
+        if not _PENDING.depth:
+            if ok:
+                check_decodes()
+            else:
+                _PENDING.flags = []
+
+
+def check_decodes() -> None:
+    """Raise :class:`CodecError` if any decode launched by this thread since the last check
+    failed or produced a size other than declared (synchronizes once)."""
+    flags = getattr(_PENDING, "flags", None)
+    if not flags:
+        return
+    _PENDING.flags = []
+    if bool(torch.cat(flags).any()):
+        raise CodecError("nvCOMP: chunks failed to decode or decoded to other sizes than declared")
