@@ -2,7 +2,8 @@
 343 MB fp32 / 172 MB bf16 synthetic weights, variants interleaved round by round in one process
 (drift and clock changes hit all alike), the GPU kept at full clocks by a busy kernel before each
 timed section (as in a training loop). Variants: ANS through nvCOMP's C API (ctypes, the
-engine's choice) or through the Python binding. Earlier A/Bs (segment copies, allocator,
+engine's choice) or through the Python binding; segment copies all by the Triton tile kernel (one
+launch, the engine's choice) or copy_ for segments of 1 MiB and more. Earlier A/Bs (segment copies, allocator,
 header-checked decode) and their results: docs/benchmarks.md.
 
     PYTHONPATH=src python bench/probe_ab.py
@@ -19,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_throughput import ref_of  # noqa: E402
 
+from ckptzip import engine  # noqa: E402
 from ckptzip.codecs import _capi  # noqa: E402
 from ckptzip.codecs import gpu as G  # noqa: E402
 from ckptzip.engine import Job, decode_group, encode_group_arrays, gather_gpu, gpu_window, units_of  # noqa: E402
@@ -64,7 +66,7 @@ def main():
     G._nvcomp()
     torch.manual_seed(0)
     w = torch.randn(86 << 20, device="cuda") * 0.02
-    variants = ["capi", "binding"]
+    variants = [("capi", None), ("capi", 1 << 20), ("binding", None)]
     for name, t in (("fp32", w), ("bf16", w.bfloat16())):
         ref = ref_of(t)
         win = gpu_window()
@@ -74,8 +76,9 @@ def main():
         times = {v: ([], []) for v in variants}
         for rnd in range(16):
             for v in variants:
+                engine.BIG_COPY = v[1]
                 plan.codec.__dict__.pop("_c", None)
-                if v == "binding":
+                if v[0] == "binding":
                     plan.codec.__dict__["_c"] = None
                 te, td = one(plan, units, dst)
                 if rnd:
@@ -84,7 +87,7 @@ def main():
         n = ref.data.numel()
         assert torch.equal(dst, ref.data)
         for v, (e, d) in times.items():
-            print(json.dumps({"data": name, "path": v,
+            print(json.dumps({"data": name, "path": v[0], "big_copy": v[1],
                               "c_med": round(n / statistics.median(e) / 1e9, 1), "c_best": round(n / min(e) / 1e9, 1),
                               "d_med": round(n / statistics.median(d) / 1e9, 1), "d_best": round(n / min(d) / 1e9, 1)}), flush=True)
 

@@ -255,8 +255,8 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
 
 
 #: on CUDA, segments at least this long are copied with copy_ (one call each), shorter ones by
-#: one Triton launch for all
-BIG_COPY = 1 << 20
+#: one Triton launch for all; None: every segment by the Triton kernel (one launch)
+BIG_COPY: int | None = None
 
 
 def copy_segments(src: torch.Tensor, soffs: np.ndarray, dst: torch.Tensor, doffs: np.ndarray,
@@ -285,7 +285,7 @@ def copy_segments(src: torch.Tensor, soffs: np.ndarray, dst: torch.Tensor, doffs
             if e > n:
                 dst[d + n:d + e].zero_()
         return
-    big = lens >= BIG_COPY
+    big = lens >= (BIG_COPY or 1 << 62)
     for s, d, n in zip(soffs[big].tolist(), doffs[big].tolist(), lens[big].tolist()):
         dst[d:d + n].copy_(src[s:s + n])
     small = ~big
@@ -301,6 +301,12 @@ def pack(enc: Encoded, out: torch.Tensor, offs: np.ndarray) -> None:
     """Copy every chunk of ``enc`` into ``out`` at ``offs``, zeroing the padding up to the next
     16-byte boundary (``offs`` from :meth:`Encoded.packed`: every byte of ``out`` is written)."""
     padded = (enc.stored + ALIGN - 1) // ALIGN * ALIGN
+    base = enc.tensors[0]
+    tk = _triton() if base.is_cuda and BIG_COPY is None else None
+    if tk is not None:  # one launch gathers from every tensor (offsets relative to the first)
+        rel = np.array([t.data_ptr() - base.data_ptr() for t in enc.tensors], dtype=np.int64)
+        tk.copy_segments(base, enc.soff + rel[enc.src], out, offs, enc.stored, padded)
+        return
     for t in range(len(enc.tensors)):
         sel = np.nonzero(enc.src == t)[0]
         if len(sel):
