@@ -59,19 +59,24 @@ def decode(src: torch.Tensor, dst: torch.Tensor, width: int, block: int) -> None
         _dec[(triton.cdiv(n, TILE),)](src, d, n, block, W=width, BITS=8 * width, UT=ut, TILE=TILE)
 
 
-SEG_TILE = 1 << 16
+SEG_TILE = 1 << 18
 
 
 @triton.jit
-def _copy_tiles(src, dst, t_src, t_dst, t_len, t_end, BLOCK: tl.constexpr, TILE: tl.constexpr, FAST: tl.constexpr):
-    """One program per tile: dst[d:d+n] = src[s:s+n], zeros in dst[d+n:d+z]. Tiles whose offsets
-    are 16-byte aligned (and z a multiple of 4) move 4-byte words, unmasked 16-byte vectors for
-    all full blocks; the others move bytes."""
-    pid = tl.program_id(0)
-    s = tl.load(t_src + pid)
-    d = tl.load(t_dst + pid)
-    n = tl.load(t_len + pid)
-    z = tl.load(t_end + pid)
+def _copy_tiles(src, dst, table, nseg, BLOCK: tl.constexpr, TILE: tl.constexpr, FAST: tl.constexpr):
+    """Program (g, t) copies tile t (TILE bytes) of segment g: dst[d:d+n] = src[s:s+n] and zeros
+    in dst[d+n:d+z], where (s, d, n, z) is column g of ``table`` (4 rows of ``nseg``). Tiles whose
+    offsets are 16-byte aligned (and z a multiple of 4) move 4-byte words, unmasked 16-byte
+    vectors for all full blocks; the others move bytes."""
+    g = tl.program_id(0)  # segments on the axis without CUDA's 65535 limit
+    t = tl.program_id(1).to(tl.int64) * TILE
+    z = tl.load(table + 3 * nseg + g)
+    if t >= z:
+        return
+    s = tl.load(table + g) + t
+    d = tl.load(table + nseg + g) + t
+    n = tl.minimum(tl.maximum(tl.load(table + 2 * nseg + g) - t, 0), TILE)
+    z = tl.minimum(z - t, TILE)
     if FAST and (s % 16 == 0) & (d % 16 == 0) & (z % 4 == 0):
         src32 = (src + s).to(tl.pointer_type(tl.int32))
         dst32 = (dst + d).to(tl.pointer_type(tl.int32))
@@ -92,25 +97,22 @@ def _copy_tiles(src, dst, t_src, t_dst, t_len, t_end, BLOCK: tl.constexpr, TILE:
             v = tl.where(w == nw, part, v)
             tl.store(dst32 + w, v, mask=w < zw)
     else:
-        for i in tl.static_range(0, TILE, BLOCK):
+        for i in range(0, z, BLOCK):
             offs = i + tl.arange(0, BLOCK)
             tl.store(dst + d + offs, tl.load(src + s + offs, mask=offs < n, other=0), mask=offs < z)
 
 
 def copy_segments(src: torch.Tensor, soffs, dst: torch.Tensor, doffs, lens, ends=None) -> None:
     """dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]] for all i, and zeros up to ``ends[i]``
-    bytes (default: ``lens``), in one launch: segments are cut into tiles of SEG_TILE bytes, one
-    program per tile (numpy int64 arrays in, on the host; the tile table goes up pinned, without
-    a synchronization). ``soffs`` may point outside ``src`` into other allocations on the same
-    device (offsets relative to ``src``'s first byte), which lets one launch gather from several
-    tensors."""
+    bytes (default: ``lens``), in one launch over a (segments, tiles) grid: the host only
+    uploads the segment table (pinned, without a synchronization). ``soffs`` may point outside
+    ``src`` into other allocations on the same device (offsets relative to ``src``'s first byte),
+    which lets one launch gather from several tensors."""
     ends = lens if ends is None else ends
-    ntiles = np.maximum((ends + SEG_TILE - 1) // SEG_TILE, 1)
-    seg = np.repeat(np.arange(len(lens)), ntiles)
-    first = np.repeat(np.cumsum(ntiles) - ntiles, ntiles)
-    k = (np.arange(len(seg)) - first) * SEG_TILE
-    table = np.stack([soffs[seg] + k, doffs[seg] + k, np.clip(lens[seg] - k, 0, SEG_TILE),
-                      np.clip(ends[seg] - k, 0, SEG_TILE)])
+    if not len(lens):
+        return
+    table = np.stack([soffs, doffs, lens, ends]).astype(np.int64, copy=False)
     t = torch.from_numpy(table).pin_memory().to(src.device, non_blocking=True)
     fast = src.data_ptr() % 16 == 0 and dst.data_ptr() % 16 == 0
-    _copy_tiles[(len(seg),)](src, dst, t[0], t[1], t[2], t[3], BLOCK=1024, TILE=SEG_TILE, FAST=fast)
+    grid = (len(lens), max(1, -(-int(ends.max()) // SEG_TILE)))
+    _copy_tiles[grid](src, dst, t, len(lens), BLOCK=2048, TILE=SEG_TILE, FAST=fast)

@@ -240,7 +240,9 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
         idx = np.concatenate(sels)
         if not len(idx):
             continue
-        comp, doffs, dsizes = codec.encode(stream, soff[idx].tolist(), raw[idx].tolist())
+        cuda = codec.device == "cuda"  # GPU codecs take numpy arrays (thousands of chunks), CPU ones lists
+        comp, doffs, dsizes = codec.encode(stream, *((soff[idx], raw[idx]) if cuda else (soff[idx].tolist(),
+                                                                                          raw[idx].tolist())))
         dsizes = np.asarray(dsizes, dtype=np.int64)
         shrink = dsizes < raw[idx]
         hit = idx[shrink]
@@ -263,11 +265,15 @@ def copy_segments(src: torch.Tensor, soffs: np.ndarray, dst: torch.Tensor, doffs
                   lens: np.ndarray, ends: np.ndarray | None = None) -> None:
     """dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]] for every i (flat uint8 tensors, same
     device), and dst[doffs[i]+lens[i]:doffs[i]+ends[i]] zeroed where ``ends`` is given. On CUDA,
-    copies of 1 MiB or more are plain copies and everything else goes to one Triton kernel
-    launch; elsewhere, one copy per segment."""
+    one Triton kernel launch for all (with ``BIG_COPY`` set: copy_ for segments that long);
+    elsewhere, one copy per run of adjacent segments."""
     if not len(lens):
         return
     ends = lens if ends is None else ends
+    tk = _triton() if src.is_cuda else None
+    if tk is not None and BIG_COPY is None:
+        tk.copy_segments(src, soffs, dst, doffs, lens, ends)
+        return
     # merge runs of segments that are adjacent on both sides (only a run's last one has padding)
     brk = np.ones(len(lens), dtype=bool)
     brk[1:] = ((soffs[1:] != soffs[:-1] + lens[:-1]) | (doffs[1:] != doffs[:-1] + lens[:-1])
@@ -278,7 +284,6 @@ def copy_segments(src: torch.Tensor, soffs: np.ndarray, dst: torch.Tensor, doffs
         pads = (ends - lens)[last]
         lens, soffs, doffs = np.add.reduceat(lens, starts), soffs[starts], doffs[starts]
         ends = lens + pads
-    tk = _triton() if src.is_cuda else None
     if tk is None:
         for s, d, n, e in zip(soffs.tolist(), doffs.tolist(), lens.tolist(), ends.tolist()):
             dst[d:d + n].copy_(src[s:s + n])
@@ -580,7 +585,10 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     for k, codec in keys.values():
         ks = np.nonzero(~is_raw & (key_of_row == k))[0]
         if len(ks):
-            codec.decode(src, soffs[ks].tolist(), stored[ks].tolist(), stream, roffs[ks].tolist(), raws[ks].tolist())
+            cols = (soffs[ks], stored[ks], roffs[ks], raws[ks])
+            if codec.device != "cuda":
+                cols = tuple(c.tolist() for c in cols)
+            codec.decode(src, cols[0], cols[1], stream, cols[2], cols[3])
     if direct:
         return
     pos = 0

@@ -123,6 +123,19 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+_TEMP: dict = {}  # (device index, stream) -> scratch tensor, reused in stream order
+
+
+def _temp(dev: torch.device, stream: int, n: int) -> torch.Tensor:
+    """nvCOMP scratch of at least ``n`` bytes for work queued on ``stream``: reused call after
+    call (stream order makes that safe), grown when a call needs more."""
+    key = (dev.index, stream)
+    t = _TEMP.get(key)
+    if t is None or t.numel() < n:
+        t = _TEMP[key] = torch.empty(max(n, 1 << 20), dtype=torch.uint8, device=dev)
+    return t
+
+
 def compress(alg: str, opts: _Opts, src: torch.Tensor, offs, sizes, out: torch.Tensor, out_offs,
              cap: int) -> "Batch":
     """Compress chunks ``src[offs[i]:+sizes[i]]`` into ``out[out_offs[i]:+cap]`` (``cap`` at least
@@ -132,35 +145,32 @@ def compress(alg: str, opts: _Opts, src: torch.Tensor, offs, sizes, out: torch.T
     n = len(sizes)
     tab = _table(np.asarray(offs, dtype=np.int64) + src.data_ptr(), sizes,
                  np.asarray(out_offs, dtype=np.int64) + out.data_ptr(), device=dev)
-    res = torch.empty(2, n, dtype=torch.int64, device=dev)  # compressed sizes, statuses (int32)
-    res[1].zero_()
+    res = torch.zeros(2, n, dtype=torch.int64, device=dev)  # compressed sizes, statuses (int32)
     stream = _stream(dev)
     mx, total = int(sizes.max()), int(sizes.sum())
     temp_n = _SZ(0)
     _call(f"nvcompBatched{alg}CompressGetTempSize", _SZ(n), _SZ(mx), opts, ctypes.byref(temp_n), _SZ(total),
           _P(stream))
-    temp = torch.empty(max(int(temp_n.value), 1), dtype=torch.uint8, device=dev)
+    temp = _temp(dev, stream, int(temp_n.value))
     _call(f"nvcompBatched{alg}CompressAsync", _P(tab[0].data_ptr()), _P(tab[1].data_ptr()), _SZ(mx), _SZ(n),
           _P(temp.data_ptr()), temp_n, _P(tab[2].data_ptr()), _P(res[0].data_ptr()), opts,
           _P(res[1].data_ptr()), _P(stream))
-    host = torch.empty(2, n, dtype=torch.int64, pin_memory=True)
-    host.copy_(res, non_blocking=True)
+    host = res.to("cpu", non_blocking=True)  # into pinned memory
     ev = torch.cuda.Event()
     ev.record()
-    return Batch(host, ev, (tab, res, temp), cap)
+    return Batch(host, ev, cap)
 
 
 class Batch:
     """A launched compression; :meth:`sizes` waits for it and returns the compressed sizes."""
 
-    def __init__(self, host: torch.Tensor, ev, keep, cap: int) -> None:
-        self._host, self._ev, self._keep, self._cap = host, ev, keep, cap
+    def __init__(self, host: torch.Tensor, ev, cap: int) -> None:
+        self._host, self._ev, self._cap = host, ev, cap
 
     def sizes(self) -> np.ndarray:
         self._ev.synchronize()
         got = self._host[0].numpy().copy()
         st = self._host[1].numpy().view(np.int32)[:len(got)]  # n int32 statuses at the row's start
-        self._keep = None
         if (st != 0).any():
             raise CodecError(f"nvCOMP compression failed with status {int(st[st != 0][0])}")
         if not ((got > 0) & (got <= self._cap)).all():
@@ -175,30 +185,27 @@ def decompress(alg: str, opts: _Opts, src: torch.Tensor, offs, sizes, dst: torch
                dst_sizes) -> None:
     """Decode chunks into ``dst[dst_offs[i]:+dst_sizes[i]]`` (allocated by the caller from the
     manifest's sizes; nvCOMP does not write past them). Asynchronous: whether every chunk
-    decoded to exactly its declared size is recorded on the device and raised by
-    :func:`check_decodes`."""
+    decoded to exactly its declared size is checked by :func:`check_decodes` (at once unless
+    within :func:`deferred_checks`)."""
     dev = dst.device
     dst_sizes = np.asarray(dst_sizes, dtype=np.int64)
     n = len(dst_sizes)
     tab = _table(np.asarray(offs, dtype=np.int64) + src.data_ptr(), sizes,
                  np.asarray(dst_offs, dtype=np.int64) + dst.data_ptr(), dst_sizes, device=dev)
-    res = torch.empty(2, n, dtype=torch.int64, device=dev)  # decoded sizes, statuses (int32)
-    res[1].fill_(-1)
+    res = torch.full((2, n), -1, dtype=torch.int64, device=dev)  # decoded sizes, statuses (int32)
     stream = _stream(dev)
     mx, total = int(dst_sizes.max()), int(dst_sizes.sum())
     temp_n = _SZ(0)
     _call(f"nvcompBatched{alg}DecompressGetTempSize", _SZ(n), _SZ(mx), opts, ctypes.byref(temp_n), _SZ(total),
           _P(stream))
-    temp = torch.empty(max(int(temp_n.value), 1), dtype=torch.uint8, device=dev)
+    temp = _temp(dev, stream, int(temp_n.value))
     _call(f"nvcompBatched{alg}DecompressAsync", _P(tab[0].data_ptr()), _P(tab[1].data_ptr()),
           _P(tab[3].data_ptr()), _P(res[0].data_ptr()), _SZ(n), _P(temp.data_ptr()), temp_n,
           _P(tab[2].data_ptr()), opts, _P(res[1].data_ptr()), _P(stream))
-    st = res[1].view(torch.int32)[:n]  # n int32 statuses at the row's start
-    bad = ((st != 0) | (res[0] != tab[3])).any().reshape(1)
-    flags = getattr(_PENDING, "flags", None)
-    if flags is None:
-        flags = _PENDING.flags = []
-    flags.append(bad)
+    pending = getattr(_PENDING, "items", None)
+    if pending is None:
+        pending = _PENDING.items = []
+    pending.append((res, dst_sizes))
     if not getattr(_PENDING, "depth", 0):
         check_decodes()
 
@@ -218,15 +225,24 @@ def deferred_checks():
             if ok:
                 check_decodes()
             else:
-                _PENDING.flags = []
+                _PENDING.items = []
 
 
 def check_decodes() -> None:
     """Raise :class:`CodecError` if any decode launched by this thread since the last check
-    failed or produced a size other than declared (synchronizes once)."""
-    flags = getattr(_PENDING, "flags", None)
-    if not flags:
+    failed or produced a size other than declared (one device-to-host copy; synchronizes)."""
+    pending = getattr(_PENDING, "items", None)
+    if not pending:
         return
-    _PENDING.flags = []
-    if bool(torch.cat(flags).any()):
+    _PENDING.items = []
+    res = pending[0][0] if len(pending) == 1 else torch.cat([r for r, _w in pending], dim=1)
+    host = res.cpu().numpy()
+    want = pending[0][1] if len(pending) == 1 else np.concatenate([w for _r, w in pending])
+    st = host[1].view(np.int32)  # part k's n int32 statuses lead its n int64 slots
+    ok = np.array_equal(host[0], want)
+    pos = 0
+    for _r, w in pending:
+        ok = ok and not st[2 * pos:2 * pos + len(w)].any()
+        pos += len(w)
+    if not ok:
         raise CodecError("nvCOMP: chunks failed to decode or decoded to other sizes than declared")

@@ -138,19 +138,18 @@ class NvcompCodec(Codec):
             got = _MAX_OUT[key] = int(codec.get_max_comp_buffer_size(nv.as_array(probe)))
         return got
 
-    def _aligned(self, src: torch.Tensor, offsets, sizes):
+    def _aligned(self, src: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray):
         """(buffer, offsets) with every chunk start aligned; copies only if needed."""
         a = self._align
-        if src.data_ptr() % a == 0 and not (np.asarray(offsets, dtype=np.int64) % a).any():
-            return src, list(offsets)
-        new, pos = _packed(sizes, a)
+        if src.data_ptr() % a == 0 and not (offsets % a).any():
+            return src, offsets
+        new, pos = _packed(sizes.tolist(), a)
         buf = torch.empty(max(pos, 1), dtype=torch.uint8, device=src.device)
-        for o, n, p in zip(offsets, sizes, new):
+        for o, n, p in zip(offsets.tolist(), sizes.tolist(), new):
             buf[p:p + n].copy_(src[o:o + n])
-        return buf, new
+        return buf, np.asarray(new, dtype=np.int64)
 
-    def _check_sizes(self, sizes) -> None:
-        arr = np.asarray(sizes, dtype=np.int64)
+    def _check_sizes(self, arr: np.ndarray) -> None:
         bad = (arr < 1) | (arr > self.max_chunk)
         if bad.any():
             n = int(arr[bad][0])
@@ -161,42 +160,45 @@ class NvcompCodec(Codec):
             raise CodecError(f"nvCOMP {self.algorithm}: chunk sizes must be multiples of {w} for {dt}")
 
     def encode(self, src, offsets, sizes):
+        """As :meth:`Codec.encode`; offsets and sizes come back as int64 numpy arrays."""
         if src.device.type != "cuda":
             raise CodecError("GPU codec given a CPU tensor")
-        self._check_sizes(sizes)
-        nv = _nvcomp()
-        codec = self._nv(src.device)
-        if not sizes:
-            return torch.empty(0, dtype=torch.uint8, device=src.device), [], []
-        buf, offs = self._aligned(src, offsets, sizes)
+        arr = np.asarray(sizes, dtype=np.int64).reshape(-1)
+        self._check_sizes(arr)
+        c = self._c
+        if c is None:
+            nv = _nvcomp()
+            codec = self._nv(src.device)
+        if not len(arr):
+            return torch.empty(0, dtype=torch.uint8, device=src.device), np.zeros(0, np.int64), np.zeros(0, np.int64)
+        buf, offs = self._aligned(src, np.asarray(offsets, dtype=np.int64).reshape(-1), arr)
         # nvCOMP wants every output slot of a call to hold the worst case of the call's largest
         # chunk; a group of 64 KiB exponent chunks beside 1 MiB ones then reserved ~5x its input
         # (3 GB during a save), so small and large chunks go to separate calls
-        arr = np.asarray(sizes, dtype=np.int64)
         small = arr <= SMALL_CHUNK
-        calls = [np.nonzero(m)[0] for m in (small, ~small) if m.any()]
-        c = self._c
+        calls = [idx if len(idx) < len(arr) else slice(None) for idx in
+                 (np.nonzero(m)[0] for m in (small, ~small)) if len(idx)]
         if c is not None:
             caps = [_ceil(_capi.max_output(self.capi, bytes(c[0]), int(arr[idx].max())), self._align) for idx in calls]
         else:
             caps = [_ceil(self._max_out(nv, codec, int(arr[idx].max())), self._align) for idx in calls]
-        out = torch.empty(sum(c * len(idx) for c, idx in zip(caps, calls)), dtype=torch.uint8, device=src.device)
+        counts = [len(arr[idx]) for idx in calls]
+        out = torch.empty(sum(cap * k for cap, k in zip(caps, counts)), dtype=torch.uint8, device=src.device)
         out_offs = np.zeros(len(arr), dtype=np.int64)
         slot = np.zeros(len(arr), dtype=np.int64)
         got = np.zeros(len(arr), dtype=np.int64)
         pos = 0
         try:
             results = []  # both calls are launched before either's sizes are read back
-            for cap, idx in zip(caps, calls):
-                out_offs[idx] = pos + cap * np.arange(len(idx))
+            for cap, k, idx in zip(caps, counts, calls):
+                out_offs[idx] = pos + cap * np.arange(k)
                 slot[idx] = cap
-                pos += cap * len(idx)
+                pos += cap * k
                 if c is not None:
-                    results.append(_capi.compress(self.capi, c[0], buf, [offs[i] for i in idx], arr[idx], out,
-                                                  out_offs[idx], cap))
+                    results.append(_capi.compress(self.capi, c[0], buf, offs[idx], arr[idx], out, out_offs[idx], cap))
                     continue
-                results.append(codec.encode(nv.as_arrays(buf, [offs[i] for i in idx], arr[idx].tolist()),
-                                            out=nv.as_arrays(out, out_offs[idx].tolist(), [cap] * len(idx))))
+                results.append(codec.encode(nv.as_arrays(buf, offs[idx].tolist(), arr[idx].tolist()),
+                                            out=nv.as_arrays(out, out_offs[idx].tolist(), [cap] * k)))
             for idx, res in zip(calls, results):
                 got[idx] = res.sizes() if c is not None else [int(x) for x in res.buffer_sizes]
         except CodecError:
@@ -205,42 +207,49 @@ class NvcompCodec(Codec):
             raise CodecError(f"nvCOMP {self.algorithm} encode failed: {e}") from None
         if not ((got > 0) & (got <= slot)).all():
             raise CodecError(f"nvCOMP {self.algorithm} encode returned impossible sizes")
-        out_offs, got = out_offs.tolist(), got.tolist()
         return out, out_offs, got
 
     def decode(self, src, src_offsets, src_sizes, dst, dst_offsets, dst_sizes):
-        if not src_sizes:
+        src_sizes = np.asarray(src_sizes, dtype=np.int64).reshape(-1)
+        if not len(src_sizes):
             return
+        dst_sizes = np.asarray(dst_sizes, dtype=np.int64).reshape(-1)
+        dst_offsets = np.asarray(dst_offsets, dtype=np.int64).reshape(-1)
         self._check_sizes(dst_sizes)
-        nv = _nvcomp()
-        codec = self._nv(dst.device)
+        c = self._c
+        if c is None:
+            nv = _nvcomp()
+            codec = self._nv(dst.device)
         if src.device != dst.device:
             src = src.to(dst.device, non_blocking=True)
-        sbuf, soffs = self._aligned(src, src_offsets, src_sizes)
+        sbuf, soffs = self._aligned(src, np.asarray(src_offsets, dtype=np.int64).reshape(-1), src_sizes)
         a = self._align
-        ok = (np.asarray(dst_offsets, dtype=np.int64) % a == 0) & (dst.data_ptr() % a == 0)
-        direct, staged = np.nonzero(ok)[0].tolist(), np.nonzero(~ok)[0].tolist()
-        toffs, pos = _packed([dst_sizes[i] for i in staged], a)
-        tmp = torch.empty(pos, dtype=torch.uint8, device=dst.device) if staged else None
-        groups = [(direct, dst, [dst_offsets[i] for i in direct]), (staged, tmp, toffs)]
+        ok = (dst_offsets % a == 0) & (dst.data_ptr() % a == 0)
+        if ok.all():
+            groups = [(slice(None), dst, dst_offsets)]
+            staged = toffs = []
+        else:
+            direct, staged = np.nonzero(ok)[0], np.nonzero(~ok)[0]
+            toffs, pos = _packed(dst_sizes[staged].tolist(), a)
+            tmp = torch.empty(pos, dtype=torch.uint8, device=dst.device)
+            groups = [(direct, dst, dst_offsets[direct]), (staged, tmp, np.asarray(toffs, dtype=np.int64))]
         for idx, buf, offs in groups:
-            if not idx:
+            want = dst_sizes[idx]
+            if not len(want):
                 continue
-            want = [int(dst_sizes[i]) for i in idx]
-            if self._c is not None:  # asynchronous; sizes and statuses checked by _capi
-                _capi.decompress(self.capi, self._c[1], sbuf, [soffs[i] for i in idx], [src_sizes[i] for i in idx],
-                                 buf, offs, want)
+            if c is not None:  # asynchronous; sizes and statuses checked by _capi
+                _capi.decompress(self.capi, c[1], sbuf, soffs[idx], src_sizes[idx], buf, offs, want)
                 continue
             try:
-                res = codec.decode(nv.as_arrays(sbuf, [soffs[i] for i in idx], [src_sizes[i] for i in idx]),
-                                   out=nv.as_arrays(buf, offs, want))
+                res = codec.decode(nv.as_arrays(sbuf, soffs[idx].tolist(), src_sizes[idx].tolist()),
+                                   out=nv.as_arrays(buf, offs.tolist(), want.tolist()))
                 got = [int(x) for x in res.buffer_sizes]
             except Exception as e:
                 raise CodecError(f"nvCOMP {self.algorithm} decode failed: {e}") from None
-            if got != want:
+            if got != want.tolist():
                 raise CodecError(f"nvCOMP {self.algorithm}: chunks decoded to other sizes than declared")
-        for i, p in zip(staged, toffs):
-            o, n = dst_offsets[i], dst_sizes[i]
+        for i, p in zip(np.asarray(staged).tolist(), toffs):
+            o, n = int(dst_offsets[i]), int(dst_sizes[i])
             dst[o:o + n].copy_(tmp[p:p + n])
 
 

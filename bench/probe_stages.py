@@ -1,0 +1,98 @@
+"""Exploration on a GPU: host microseconds per stage of ckptzip's GPU decode and encode+pack,
+measured with perf_counter wrappers (no profiler), the GPU held by a sleep kernel so that only a
+synchronizing call waits. Prints mean us per call and per repetition.
+
+    PYTHONPATH=src python bench/probe_stages.py
+"""
+import collections
+import functools
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_throughput import ref_of  # noqa: E402
+
+from ckptzip import _triton_bp, engine, transforms  # noqa: E402
+from ckptzip.codecs import _capi, gpu as G  # noqa: E402
+from ckptzip.engine import Job, gpu_window, units_of  # noqa: E402
+from ckptzip.planner import Planner  # noqa: E402
+
+ACC = collections.defaultdict(float)
+CNT = collections.Counter()
+
+
+def wrap(owner, name, label):
+    f = getattr(owner, name)
+
+    @functools.wraps(f)
+    def g(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            ACC[label] += time.perf_counter() - t
+            CNT[label] += 1
+    setattr(owner, name, g)
+
+
+for owner, name in ((engine, "decode_group"), (engine, "copy_segments"), (engine, "encode_group_arrays"),
+                    (engine, "gather_gpu"), (engine, "pack"), (_triton_bp, "copy_segments"), (_triton_bp, "encode"),
+                    (_triton_bp, "decode"), (G.NvcompCodec, "decode"), (G.NvcompCodec, "encode"),
+                    (_capi, "decompress"), (_capi, "compress"), (_capi, "_table"), (_capi, "check_decodes"),
+                    (_capi.Batch, "sizes"), (transforms.BytePlane, "decode"), (transforms.BytePlane, "encode")):
+    wrap(owner, name, f"{getattr(owner, '__name__', owner)}.{name}")
+
+
+def main():
+    torch.manual_seed(0)
+    w = torch.randn(86 << 20, device="cuda") * 0.02
+    for name, t in (("fp32", w), ("bf16", w.bfloat16())):
+        ref = ref_of(t)
+        win = gpu_window()
+        plan = Planner("auto", "auto", 1 << 20, None, "cuda", False).plan_all([ref], win)[0]
+        units = units_of(0, ref.data, plan, win)
+        dst = torch.empty_like(ref.data)
+
+        def enc():
+            out = []
+            for u in units:
+                buf, rel = engine.gather_gpu(engine.encode_group_arrays([u]))
+                out.append((u, buf, rel, rel["offset"].astype(np.int64)))
+            return out
+
+        def dec(packed):
+            pos = 0
+            with _capi.deferred_checks():
+                for u, buf, rows, soffs in packed:
+                    k = u.data.numel()
+                    engine.decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows),
+                                                            pos, pos + k)], "cuda")
+                    pos += k
+                torch.cuda.synchronize()
+
+        for _ in range(5):
+            dec(enc())
+        reps = 10
+        for label, fn in (("decode", None), ("encode", enc)):
+            packed = enc()
+            torch.cuda.synchronize()
+            ACC.clear()
+            CNT.clear()
+            tot = 0.0
+            for _ in range(reps):
+                torch.cuda._sleep(int(2e8))
+                t0 = time.perf_counter()
+                dec(packed) if fn is None else fn()
+                tot += time.perf_counter() - t0
+                torch.cuda.synchronize()
+            print(f"== {name} {label}: {tot / reps * 1e3:.2f} ms per rep (incl. waits)")
+            for k, v in sorted(ACC.items(), key=lambda kv: -kv[1]):
+                print(f"   {k:40s} {v / CNT[k] * 1e6:9.0f} us/call {CNT[k] // reps:3d} calls/rep")
+
+
+if __name__ == "__main__":
+    main()
