@@ -581,9 +581,10 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     copy_segments(src, soffs[is_raw], stream, roffs[is_raw], raws[is_raw])
     keys: dict[tuple, tuple[int, Codec]] = {}
     job_key = [keys.setdefault(_codec_key(job.codec), (len(keys), job.codec))[0] for job, *_ in grp]
-    key_of_row = np.repeat(np.asarray(job_key, dtype=np.int64), [j - i for _job, i, j, _a, _b in grp])
+    if len(keys) > 1:
+        key_of_row = np.repeat(np.asarray(job_key, dtype=np.int64), [j - i for _job, i, j, _a, _b in grp])
     for k, codec in keys.values():
-        ks = np.nonzero(~is_raw & (key_of_row == k))[0]
+        ks = np.nonzero(~is_raw if len(keys) == 1 else ~is_raw & (key_of_row == k))[0]
         if len(ks):
             cols = (soffs[ks], stored[ks], roffs[ks], raws[ks])
             if codec.device != "cuda":
