@@ -227,3 +227,31 @@ def test_pack_gathers_from_several_tensors():
     for t, so, n, o in zip(src, soff, stored, offs):
         want[o:o + n] = tensors[t].cpu().numpy()[so:so + n]
     assert np.array_equal(out.cpu().numpy(), want)
+
+
+@pytest.mark.parametrize("claim", [1 << 16, 1 << 20, 1 << 24, 0xFFFFFFFF])
+def test_ans_chunk_claiming_a_larger_size_is_an_exception(tmp_path, claim):
+    """nvCOMP 6.0 ANS chunks start with their uncompressed size (uint32 LE); a chunk that claims
+    more than its table row declares (checksum fixed up, so only the codec can tell) must be
+    refused by the C-API decode path, not written past its output or crash."""
+    import struct
+    from conftest import read_parts, write_parts
+    from ckptzip import format as fmt
+    p = tmp_path / "a.ckz"
+    ckptzip.save({"w": torch.randn(300_000, device="cuda")}, p, codec="ans")
+    data, doc, rows = read_parts(p)
+    k = next(i for i in range(len(rows)) if not rows[i]["flags"])
+    off, n = int(rows[k]["offset"]), int(rows[k]["stored"])
+    chunk = bytearray(data[off:off + n])
+    (have,) = struct.unpack_from("<I", chunk, 0)
+    assert have == int(rows[k]["raw"])
+    struct.pack_into("<I", chunk, 0, max(claim, have + 16) & 0xFFFFFFFF)
+    data = data[:off] + bytes(chunk) + data[off + n:]
+    rows[k]["xxh3"] = fmt.checksum(bytes(chunk))
+    write_parts(p, data, doc, rows)
+    with pytest.raises(ckptzip.CkptzipError):
+        ckptzip.load(p, map_location="cuda")
+    q = tmp_path / "b.ckz"  # the device and the process are still sound
+    x = torch.randn(100_000, device="cuda")
+    ckptzip.save({"x": x}, q, codec="ans")
+    assert same_bits(ckptzip.load(q, map_location="cuda")["x"], x)

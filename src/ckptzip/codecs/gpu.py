@@ -102,6 +102,10 @@ class NvcompCodec(Codec):
 
     #: name in nvCOMP's C API when this codec is called through it (see ``_capi``), else None
     capi: ClassVar[str | None] = None
+    #: whether decoding goes through the C API too. Not for Zstd: its decoder's scratch depends
+    #: on each frame's window size, which GetTempSize cannot know, and a hostile frame (a
+    #: decompression bomb) aborted the process through the C API; the binding sizes it per call.
+    capi_decode: ClassVar[bool] = True
 
     def _opts(self) -> tuple:
         return tuple(sorted(self.config.items()))
@@ -216,7 +220,7 @@ class NvcompCodec(Codec):
         dst_sizes = np.asarray(dst_sizes, dtype=np.int64).reshape(-1)
         dst_offsets = np.asarray(dst_offsets, dtype=np.int64).reshape(-1)
         self._check_sizes(dst_sizes)
-        c = self._c
+        c = self._c if self.capi_decode else None
         if c is None:
             nv = _nvcomp()
             codec = self._nv(dst.device)
@@ -282,6 +286,7 @@ ANSGPU = _gpu_codec("ans", "ANS", ("data_type",), _dtypes(("|u1", "<f2", "<f4", 
                     ("max_sub_chunk_count",))
 ZstdGPU = _gpu_codec("zstd", "Zstd")
 ANSGPU.capi, ZstdGPU.capi = "ANS", "Zstd"
+ZstdGPU.capi_decode = False
 DeflateGPU = _gpu_codec("deflate", "Deflate")
 GDeflateGPU = _gpu_codec("gdeflate", "GDeflate")
 LZ4GPU = _gpu_codec("lz4", "LZ4", ("data_type",))
