@@ -62,7 +62,7 @@ def decode(src: torch.Tensor, dst: torch.Tensor, width: int, block: int) -> None
 SEG_TILE = 1 << 18
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nseg"])  # a new segment count must not mean a new compile
 def _copy_tiles(src, dst, table, nseg, BLOCK: tl.constexpr, TILE: tl.constexpr, FAST: tl.constexpr):
     """Program (g, t) copies tile t (TILE bytes) of segment g: dst[d:d+n] = src[s:s+n] and zeros
     in dst[d+n:d+z], where (s, d, n, z) is column g of ``table`` (4 rows of ``nseg``). Tiles whose

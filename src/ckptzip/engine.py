@@ -9,6 +9,7 @@ import functools
 import queue
 from collections.abc import Callable, Iterator
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,17 +63,41 @@ STAGE_SLICE = 32 << 20
 
 
 class PinnedPool:
-    """Reused page-locked host buffers (one per use), grown only when a larger one is needed."""
+    """Page-locked host buffers shared by saves and loads: :meth:`acquire` leases one of at
+    least ``n`` bytes (the smallest free one that fits, else a new one), :meth:`release` gives it
+    back. Pinning costs ~1 ms per 1.5 MB, so a load after a save reuses the save's write buffers
+    instead of pinning its own. Sizes are rounded up to 8 MiB so that buffers fit later
+    requests; at most ``MAX_FREE`` free buffers are kept (the smallest go first)."""
+
+    MAX_FREE = 6
+    GRAIN = 8 << 20
 
     def __init__(self) -> None:
-        self._bufs: dict[str, torch.Tensor] = {}
+        self._free: list[torch.Tensor] = []
+        self._leased: dict[int, weakref.ref] = {}  # weak: a lease lost to an exception is just freed
+        self._lock = threading.Lock()
 
-    def get(self, name: str, n: int) -> torch.Tensor:
-        b = self._bufs.get(name)
-        if b is None or b.numel() < n:
-            b = torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-            self._bufs[name] = b
+    def acquire(self, n: int) -> torch.Tensor:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= n]
+            b = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
+        if b is None:
+            cap = max(n, 1) if n < self.GRAIN else -(-n // self.GRAIN) * self.GRAIN
+            b = torch.empty(cap, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        with self._lock:
+            self._leased[b.data_ptr()] = weakref.ref(b)
         return b[:n]
+
+    def release(self, view: torch.Tensor) -> None:
+        """Return a buffer from :meth:`acquire` (or a view that starts where it starts)."""
+        with self._lock:
+            ref = self._leased.pop(view.data_ptr(), None)
+            b = ref() if ref is not None else None
+            if b is None:
+                return
+            self._free.append(b)
+            if len(self._free) > self.MAX_FREE:
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
 
 
 PINNED = PinnedPool()
@@ -208,7 +233,7 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
         if not single and n:
             if u.data.device.type != dev and dev == "cuda":
                 if staged is None:
-                    staged = PINNED.get("stage", total)
+                    staged = PINNED.acquire(total)
                 staged[pos:pos + n].copy_(u.data)
                 _upload(staged[pos:pos + n], stream[pos:pos + n], u.plan.transform)
             else:
@@ -253,6 +278,7 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
         tensors.append(comp)
     if staged is not None:
         torch.cuda.current_stream().synchronize()  # the staging buffer may be reused next group
+        PINNED.release(staged)
     return Encoded(tensors, src, soff, stored, raw, flags, counts)
 
 
@@ -398,8 +424,8 @@ class ChunkWriter:
         self._start_thread()
         slot = self._free.get()
         self._check()
-        host, rel = stage_encoded(enc, lambda n: PINNED.get(f"write{slot}", n))
-        self._enqueue(slot, host, rel)
+        host, rel = stage_encoded(enc, PINNED.acquire)
+        self._enqueue((slot, host), host, rel)
 
     def add_staged(self, host: torch.Tensor, rel: np.ndarray) -> None:
         """Append a group staged earlier by :func:`stage_encoded` (its buffer is not recycled)."""
@@ -441,8 +467,9 @@ class ChunkWriter:
             except BaseException as e:  # surfaced in the main thread
                 self._err = e
             finally:
-                if slot is not None:
-                    self._free.put(slot)
+                if slot is not None:  # (flow-control token, pinned buffer to give back)
+                    PINNED.release(slot[1])
+                    self._free.put(slot[0])
 
     def _check(self) -> None:
         if self._err is not None:
@@ -528,7 +555,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                     return
                 slot = free.get()
                 rows = np.concatenate([job.rows[i:j] for job, i, j, _a, _b in grp])
-                host, soffs = read_stored(fd, rows, f"read{slot}" if gpu else None)
+                host, soffs = read_stored(fd, rows, pinned=gpu)
                 q.put((slot, host, soffs, rows, None))
         except BaseException as e:  # re-raised by the consumer
             q.put((None, None, None, None, e))
@@ -559,8 +586,9 @@ def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress) -> 
         src = host.to(work, non_blocking=True) if work != "cpu" else host
         decode_group(src, soffs, rows, grp, work)
         if work == "cuda":
-            torch.cuda.current_stream().synchronize()  # the pinned slot may be refilled now
+            torch.cuda.current_stream().synchronize()  # the pinned buffer may be reused now
             _capi.check_decodes()
+        PINNED.release(host)  # (after an error it is not reused: the lease just lapses)
         free.put(slot)
         if progress:
             progress(sum(b - a for _j, _i, _jj, a, b in grp))
@@ -608,10 +636,10 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
         pos += b - a
 
 
-def read_stored(fd: int, batch: np.ndarray, pinned_name: str | None = None) -> tuple[torch.Tensor, list[int]]:
-    """Read a batch's stored chunks into one host buffer (pinned when named) and verify their
-    checksums. Returns the buffer and each chunk's offset in it (16-byte aligned when the file's
-    chunks are)."""
+def read_stored(fd: int, batch: np.ndarray, pinned: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """Read a batch's stored chunks into one host buffer and verify their checksums. Returns the
+    buffer (leased from :data:`PINNED` when ``pinned``: the caller releases it; released here
+    on an error) and each chunk's offset in it (16-byte aligned when the file's chunks are)."""
     stored = batch["stored"].astype(np.int64)
     fo = batch["offset"].astype(np.int64)
     n = len(batch)
@@ -624,9 +652,20 @@ def read_stored(fd: int, batch: np.ndarray, pinned_name: str | None = None) -> t
         padded = (stored + ALIGN - 1) // ALIGN * ALIGN
         offs = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.int64)
         total = int(padded.sum())
-    buf = PINNED.get(pinned_name, total) if pinned_name else torch.empty(total, dtype=torch.uint8)
+    buf = PINNED.acquire(total) if pinned else torch.empty(total, dtype=torch.uint8)
+    try:
+        return buf, _read_into(fd, batch, buf, fo, offs, stored, in_order and total == span)
+    except BaseException:
+        if pinned:
+            PINNED.release(buf)
+        raise
+
+
+def _read_into(fd: int, batch: np.ndarray, buf: torch.Tensor, fo: np.ndarray, offs: np.ndarray,
+               stored: np.ndarray, one_read: bool) -> list[int]:
+    n = len(batch)
     b = buf.numpy()
-    if in_order and total == span:
+    if one_read:
         pread_into(fd, memoryview(b), int(fo[0]))
     else:
         for k in range(n):
@@ -635,7 +674,7 @@ def read_stored(fd: int, batch: np.ndarray, pinned_name: str | None = None) -> t
     for k in range(n):
         if sums[k] != int(batch["xxh3"][k]):
             raise ChecksumError(f"chunk at file offset {int(fo[k])} fails its checksum")
-    return buf, offs.tolist()
+    return offs.tolist()
 
 
 _SUM_POOL = None
