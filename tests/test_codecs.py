@@ -154,3 +154,25 @@ def test_c_api_and_binding_read_each_other(monkeypatch, wire, cfg):
                         dec.decode(dst, doffs, dsizes, out, outs, bad)
                 else:
                     dec.decode(dst, doffs, dsizes, out, outs, bad)
+
+
+def test_c_api_options_layout():
+    """The option structs handed to nvCOMP's C API by value: 64 bytes, fields where ans.h puts
+    them (type, data_type as 4-byte enums, then max_sub_chunk_count), the rest zero. Runs
+    without a GPU: nothing is loaded until a call."""
+    import ctypes
+    import struct
+    from ckptzip.codecs import _capi
+    comp, dec = _capi.ans_opts("<f4", 16)
+    assert ctypes.sizeof(comp) == ctypes.sizeof(dec) == 64 and ctypes.alignment(comp) == 4
+    raw = bytes(comp)
+    assert struct.unpack_from("<iiB", raw) == (0, 11, 16) and not any(raw[9:])
+    assert struct.unpack_from("<iI", bytes(dec)) == (0, 0xFF) and not any(bytes(dec)[8:])
+    assert struct.unpack_from("<i", bytes(_capi.ans_opts("|u1")[0]), 4) == (1,)
+    assert not any(bytes(_capi.zstd_opts()[0])) and not any(bytes(_capi.zstd_opts()[1]))
+    with pytest.raises(ckptzip.CodecError):
+        _capi.ans_opts("<f8")
+    with _capi.deferred_checks():  # nothing pending: nothing to check, nesting is fine
+        with _capi.deferred_checks():
+            pass
+    _capi.check_decodes()
