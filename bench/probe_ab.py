@@ -14,17 +14,14 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_throughput import ref_of  # noqa: E402
 
 from ckptzip import engine  # noqa: E402
-from ckptzip.codecs import _capi  # noqa: E402
 from ckptzip.codecs import gpu as G  # noqa: E402
-from ckptzip.engine import Job, decode_group, encode_group_arrays, gather_gpu, gpu_window, units_of  # noqa: E402
-from ckptzip.planner import Planner  # noqa: E402
+from probe_common import components, decode_all, encode_all, planned  # noqa: E402
 
 _A = None
 
@@ -43,36 +40,21 @@ def spin(ms=15):
 def one(plan, units, dst):
     spin()
     t0 = time.perf_counter()
-    packed = []
-    for u in units:
-        buf, rel = gather_gpu(encode_group_arrays([u]))
-        packed.append((u, buf, rel, rel["offset"].astype(np.int64)))
+    packed = encode_all(units)
     torch.cuda.synchronize()
     te = time.perf_counter() - t0
     spin()
     t0 = time.perf_counter()
-    pos = 0
-    with _capi.deferred_checks():
-        for u, buf, rows, soffs in packed:
-            k = u.data.numel()
-            decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), pos, pos + k)],
-                         "cuda")
-            pos += k
-        torch.cuda.synchronize()
+    decode_all(packed, plan, dst)
     return te, time.perf_counter() - t0
 
 
 def main():
     G._nvcomp()
-    torch.manual_seed(0)
-    w = torch.randn(86 << 20, device="cuda") * 0.02
     variants = [("capi", None), ("capi", 1 << 20), ("binding", None)]
-    for name, t in (("fp32", w), ("bf16", w.bfloat16())):
+    for name, t in components().items():
+        plan, units, dst = planned(t)
         ref = ref_of(t)
-        win = gpu_window()
-        plan = Planner("auto", "auto", 1 << 20, None, "cuda", False).plan_all([ref], win)[0]
-        units = units_of(0, ref.data, plan, win)
-        dst = torch.empty_like(ref.data)
         times = {v: ([], []) for v in variants}
         for rnd in range(16):
             for v in variants:

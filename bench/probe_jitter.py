@@ -9,37 +9,15 @@ import os
 import sys
 import time
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_throughput import ref_of  # noqa: E402
-
-from ckptzip.engine import Job, decode_group, encode_group_arrays, gather_gpu, gpu_window, units_of  # noqa: E402
-from ckptzip.codecs import _capi  # noqa: E402
-from ckptzip.planner import Planner  # noqa: E402
-
-
-def decode_all(packed, plan, dst):
-    pos = 0
-    with _capi.deferred_checks():
-        for u, buf, rows, soffs in packed:
-            n = u.data.numel()
-            decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), pos, pos + n)],
-                         "cuda")
-            pos += n
-        torch.cuda.synchronize()
+from probe_common import components, decode_all, encode_all, planned  # noqa: E402
 
 
 def main():
-    torch.manual_seed(0)
-    w = torch.randn(86 << 20, device="cuda") * 0.02
-    for name, t in (("bf16", w.bfloat16()), ("fp32", w)):
-        ref = ref_of(t)
-        win = gpu_window()
-        plan = Planner("auto", "auto", 1 << 20, None, "cuda", False).plan_all([ref], win)[0]
-        units = units_of(0, ref.data, plan, win)
-        dst = torch.empty_like(ref.data)
+    for name, t in components().items():
+        plan, units, dst = planned(t)
         gc.disable()
         rows_e, rows_d = [], []
         for rep in range(25):
@@ -47,11 +25,7 @@ def main():
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             a.record()
-            packed = []
-            for u in units:
-                enc = encode_group_arrays([u])
-                buf, rel = gather_gpu(enc)
-                packed.append((u, buf, rel, rel["offset"].astype(np.int64)))
+            packed = encode_all(units)
             b.record()
             t1 = time.perf_counter()
             torch.cuda.synchronize()
@@ -66,7 +40,7 @@ def main():
             torch.cuda.synchronize()
             rows_d.append((time.perf_counter() - t0, t1 - t0, a.elapsed_time(b) / 1e3))
         gc.enable()
-        n = ref.data.numel()
+        n = dst.numel()
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
@@ -76,9 +50,7 @@ def main():
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                for u in units:
-                    enc = encode_group_arrays([u])
-                    gather_gpu(enc)
+                encode_all(units)
                 torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))

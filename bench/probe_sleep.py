@@ -6,56 +6,25 @@ and a blocking call shows up as ~the sleep. cProfile of 10 repetitions, top func
     PYTHONPATH=src python bench/probe_sleep.py
 """
 import cProfile
+import functools
 import io
 import os
 import pstats
 import sys
 import time
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_throughput import ref_of  # noqa: E402
-
-from ckptzip.codecs import _capi  # noqa: E402
-from ckptzip.engine import Job, decode_group, encode_group_arrays, gather_gpu, gpu_window, units_of  # noqa: E402
-from ckptzip.planner import Planner  # noqa: E402
+from probe_common import components, decode_all, encode_all, planned  # noqa: E402
 
 SLEEP = int(2e8)  # ~100 ms of GPU clock cycles
 
 
 def main():
-    torch.manual_seed(0)
-    w = torch.randn(86 << 20, device="cuda") * 0.02
-    for name, t in (("fp32", w), ("bf16", w.bfloat16())):
-        ref = ref_of(t)
-        win = gpu_window()
-        plan = Planner("auto", "auto", 1 << 20, None, "cuda", False).plan_all([ref], win)[0]
-        units = units_of(0, ref.data, plan, win)
-        dst = torch.empty_like(ref.data)
-
-        def enc():
-            out = []
-            for u in units:
-                buf, rel = gather_gpu(encode_group_arrays([u]))
-                out.append((u, buf, rel, rel["offset"].astype(np.int64)))
-            return out
-
-        def dec(packed):
-            pos = 0
-            with _capi.deferred_checks():
-                for u, buf, rows, soffs in packed:
-                    k = u.data.numel()
-                    decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows), pos,
-                                                     pos + k)], "cuda")
-                    pos += k
-                t_host = time.perf_counter()
-                torch.cuda.synchronize()
-            return t_host
-
-        for _ in range(5):
-            dec(enc())
+    for name, t in components().items():
+        plan, units, dst = planned(t, warm=5)
+        enc = functools.partial(encode_all, units)
         torch.cuda.synchronize()
         packed = enc()
         torch.cuda.synchronize()
@@ -65,11 +34,11 @@ def main():
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             t0 = time.perf_counter()
-            th = dec(packed)
+            th = decode_all(packed, plan, dst)
             rows.append(((th - t0) * 1e3, None))
         for _ in range(10):  # encode and decode without a sleep: wall and GPU ms
             out = []
-            for fn in (enc, lambda: dec(packed)):
+            for fn in (enc, lambda: decode_all(packed, plan, dst)):
                 torch.cuda.synchronize()
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 t0 = time.perf_counter()
@@ -92,7 +61,7 @@ def main():
                 t0 = time.perf_counter()
                 prof.enable()
                 if label == "decode":
-                    th = dec(packed)
+                    th = decode_all(packed, plan, dst)
                 else:
                     enc()
                     th = time.perf_counter()

@@ -10,16 +10,13 @@ import os
 import sys
 import time
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_throughput import ref_of  # noqa: E402
+from probe_common import components, decode_all, encode_all, planned  # noqa: E402
 
 from ckptzip import _triton_bp, engine, transforms  # noqa: E402
 from ckptzip.codecs import _capi, gpu as G  # noqa: E402
-from ckptzip.engine import Job, gpu_window, units_of  # noqa: E402
-from ckptzip.planner import Planner  # noqa: E402
 
 ACC = collections.defaultdict(float)
 CNT = collections.Counter()
@@ -48,34 +45,9 @@ for owner, name in ((engine, "decode_group"), (engine, "copy_segments"), (engine
 
 
 def main():
-    torch.manual_seed(0)
-    w = torch.randn(86 << 20, device="cuda") * 0.02
-    for name, t in (("fp32", w), ("bf16", w.bfloat16())):
-        ref = ref_of(t)
-        win = gpu_window()
-        plan = Planner("auto", "auto", 1 << 20, None, "cuda", False).plan_all([ref], win)[0]
-        units = units_of(0, ref.data, plan, win)
-        dst = torch.empty_like(ref.data)
-
-        def enc():
-            out = []
-            for u in units:
-                buf, rel = engine.gather_gpu(engine.encode_group_arrays([u]))
-                out.append((u, buf, rel, rel["offset"].astype(np.int64)))
-            return out
-
-        def dec(packed):
-            pos = 0
-            with _capi.deferred_checks():
-                for u, buf, rows, soffs in packed:
-                    k = u.data.numel()
-                    engine.decode_group(buf, soffs, rows, [(Job(rows, plan.transform, plan.codec, dst), 0, len(rows),
-                                                            pos, pos + k)], "cuda")
-                    pos += k
-                torch.cuda.synchronize()
-
-        for _ in range(5):
-            dec(enc())
+    for name, t in components().items():
+        plan, units, dst = planned(t, warm=5)
+        enc = functools.partial(encode_all, units)
         reps = 10
         for label, fn in (("decode", None), ("encode", enc)):
             packed = enc()
@@ -86,7 +58,7 @@ def main():
             for _ in range(reps):
                 torch.cuda._sleep(int(2e8))
                 t0 = time.perf_counter()
-                dec(packed) if fn is None else fn()
+                decode_all(packed, plan, dst) if fn is None else fn()
                 tot += time.perf_counter() - t0
                 torch.cuda.synchronize()
             print(f"== {name} {label}: {tot / reps * 1e3:.2f} ms per rep (incl. waits)")
