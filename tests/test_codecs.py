@@ -119,8 +119,7 @@ def test_byteplane_numpy_and_torch_paths_agree(width, n, block):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [{"data_type": "|u1"}, {"data_type": "<f2"}, {"data_type": "<f4"}, {"data_type": "|f1"},
-                                 {"data_type": "<f4", "max_sub_chunk_count": 16},
-                                 {"data_type": "|u1", "max_sub_chunk_count": 4, "states_per_lane": 1}])
+                                 {"data_type": "<f4", "max_sub_chunk_count": 16}])
 @pytest.mark.parametrize("wire", ["ans", "zstd"])
 def test_c_api_and_binding_read_each_other(monkeypatch, wire, cfg):
     """ANS and Zstd go through nvCOMP's C API (ctypes); the Python binding (CKPTZIP_NVCOMP_CAPI=0)
@@ -170,9 +169,6 @@ def test_c_api_options_layout():
     assert struct.unpack_from("<iiB", raw) == (0, 11, 16) and not any(raw[9:])
     assert struct.unpack_from("<iI", bytes(dec)) == (0, 0xFF) and not any(bytes(dec)[8:])
     assert struct.unpack_from("<i", bytes(_capi.ans_opts("|u1")[0]), 4) == (1,)
-    assert struct.unpack_from("<BB", bytes(_capi.ans_opts("|u1", 4, 1)[0]), 8) == (4, 1)
-    with pytest.raises(ckptzip.CodecError):
-        _capi.ans_opts("|u1", 4, 3)
     assert not any(bytes(_capi.zstd_opts()[0])) and not any(bytes(_capi.zstd_opts()[1]))
     with pytest.raises(ckptzip.CodecError):
         _capi.ans_opts("<f8")

@@ -37,12 +37,9 @@ MIN_TRANSFORMED = 64 << 10  # on the GPU, smaller float storages skip the bytepl
 #: smaller one is taken only when it saves at least MIN_GAIN of the whole storage.
 EXP_CHUNKS = (128 << 10, 64 << 10)
 MIN_GAIN = {128 << 10: 0.0, 64 << 10: 0.004}
-#: ANS encoder options for byte planes: fewer sub-chunks per chunk, less per-chunk overhead
-#: (measured on Adam v's exponent plane: 0.316 at 128 KiB vs 0.321 with nvCOMP's default of 8),
-#: and one rANS state per lane instead of two (two add 128 bytes per sub-chunk; on exponent planes
-#: in 128 KiB chunks one state compressed 0.6 points better at the same speed,
-#: bench/probe_ans_opts.py)
-ANS_PLANES = {"max_sub_chunk_count": 4, "states_per_lane": 1}
+#: ANS encoder option for byte planes: fewer sub-chunks per chunk, less per-chunk overhead
+#: (measured on Adam v's exponent plane: 0.316 at 128 KiB vs 0.321 with nvCOMP's default of 8)
+ANS_PLANES = {"max_sub_chunk_count": 4}
 
 
 _PLAN_CACHE: "OrderedDict[tuple, list[Plan]]" = OrderedDict()

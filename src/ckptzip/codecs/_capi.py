@@ -43,15 +43,11 @@ class _Opts(ctypes.Structure):
         return o
 
 
-def ans_opts(data_type: str = "|u1", max_sub_chunk_count: int = 0, states_per_lane: int = 0
-             ) -> tuple[_Opts, _Opts]:
-    """(compress, decompress) options for ANS; the decoder reads the data type, sub-chunk count
-    and states per lane from the stream."""
+def ans_opts(data_type: str = "|u1", max_sub_chunk_count: int = 0) -> tuple[_Opts, _Opts]:
+    """(compress, decompress) options for ANS; the decoder reads the data type from the stream."""
     if data_type not in _DTYPES:
         raise CodecError(f"ANS data_type {data_type!r} not in {sorted(_DTYPES)}")
-    if states_per_lane not in (0, 1, 2):
-        raise CodecError(f"ANS states_per_lane {states_per_lane!r} not in (0, 1, 2)")
-    comp = struct.pack("<iiBBB", 0, _DTYPES[data_type], int(max_sub_chunk_count), int(states_per_lane), 0)
+    comp = struct.pack("<iiBBB", 0, _DTYPES[data_type], int(max_sub_chunk_count), 0, 0)
     dec = struct.pack("<iIBBB", _DEFAULT_BACKEND, _TYPE_BITS, 0, 0, 0)
     return _Opts.of(comp), _Opts.of(dec)
 

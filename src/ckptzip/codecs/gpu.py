@@ -107,11 +107,8 @@ class NvcompCodec(Codec):
     #: decompression bomb) aborted the process through the C API; the binding sizes it per call.
     capi_decode: ClassVar[bool] = True
 
-    #: encoder options only the C API takes (the binding does not know them)
-    capi_only: ClassVar[tuple[str, ...]] = ()
-
     def _opts(self) -> tuple:
-        return tuple(sorted((k, v) for k, v in self.config.items() if k not in self.capi_only))
+        return tuple(sorted(self.config.items()))
 
     @functools.cached_property
     def _c(self):
@@ -120,8 +117,7 @@ class NvcompCodec(Codec):
         if self.capi is None or os.environ.get("CKPTZIP_NVCOMP_CAPI", "1") == "0" or not _capi.available():
             return None
         if self.capi == "ANS":
-            return _capi.ans_opts(self.config.get("data_type", "|u1"), int(self.config.get("max_sub_chunk_count", 0)),
-                                  int(self.config.get("states_per_lane", 0)))
+            return _capi.ans_opts(self.config.get("data_type", "|u1"), int(self.config.get("max_sub_chunk_count", 0)))
         return _capi.zstd_opts()
 
     def _nv(self, dev: torch.device):
@@ -285,11 +281,9 @@ def _dtypes(allowed):
     return check
 
 
-#: max_sub_chunk_count and states_per_lane only steer the encoder (decoders read them from the
-#: stream); states_per_lane is passed through the C API only (through the binding: nvCOMP's default)
+#: max_sub_chunk_count only steers the encoder (decoders read it from the stream)
 ANSGPU = _gpu_codec("ans", "ANS", ("data_type",), _dtypes(("|u1", "<f2", "<f4", "|f1", "|i1")), 1 << 20,
-                    ("max_sub_chunk_count", "states_per_lane"))
-ANSGPU.capi_only = ("states_per_lane",)
+                    ("max_sub_chunk_count",))
 ZstdGPU = _gpu_codec("zstd", "Zstd")
 ANSGPU.capi, ZstdGPU.capi = "ANS", "Zstd"
 ZstdGPU.capi_decode = False
