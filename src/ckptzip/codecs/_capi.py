@@ -151,10 +151,22 @@ def _temp(dev: torch.device, stream: int, n: int) -> torch.Tensor:
     return t
 
 
+def _on(dev: torch.device):
+    """The device's context if it is not the current one (nvCOMP launches on the current device)."""
+    if dev.index is None or dev.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(dev)
+
+
 def compress(alg: str, opts: _Opts, src: torch.Tensor, offs, sizes, out: torch.Tensor, out_offs,
              cap: int) -> "Batch":
     """Compress chunks ``src[offs[i]:+sizes[i]]`` into ``out[out_offs[i]:+cap]`` (``cap`` at least
     :func:`max_output` of the largest chunk; all 16-byte aligned, checked by the caller)."""
+    with _on(src.device):
+        return _compress(alg, opts, src, offs, sizes, out, out_offs, cap)
+
+
+def _compress(alg, opts, src, offs, sizes, out, out_offs, cap) -> "Batch":
     dev = src.device
     sizes = np.asarray(sizes, dtype=np.int64)
     n = len(sizes)
@@ -200,6 +212,13 @@ def decompress(alg: str, opts: _Opts, src: torch.Tensor, offs, sizes, dst: torch
     manifest's sizes; nvCOMP does not write past them). Asynchronous: whether every chunk
     decoded to exactly its declared size is checked by :func:`check_decodes` (at once unless
     within :func:`deferred_checks`)."""
+    with _on(dst.device):
+        _decompress(alg, opts, src, offs, sizes, dst, dst_offs, dst_sizes)
+    if not getattr(_PENDING, "depth", 0):
+        check_decodes()
+
+
+def _decompress(alg, opts, src, offs, sizes, dst, dst_offs, dst_sizes) -> None:
     dev = dst.device
     dst_sizes = np.asarray(dst_sizes, dtype=np.int64)
     n = len(dst_sizes)
@@ -217,8 +236,6 @@ def decompress(alg: str, opts: _Opts, src: torch.Tensor, offs, sizes, dst: torch
     if pending is None:
         pending = _PENDING.items = []
     pending.append((res.to("cpu", non_blocking=True), dst_sizes, torch.cuda.current_stream(dev)))
-    if not getattr(_PENDING, "depth", 0):
-        check_decodes()
 
 
 @contextlib.contextmanager
