@@ -40,7 +40,7 @@ class Plan:
 
 def gpu_decode_window(budget: int | None = None) -> int:
     """Group bytes for GPU decoding: small enough that reading the next group overlaps decoding
-    this one from the start (64 MiB), and under a sixth of ``budget`` (see :func:`gpu_window`)."""
+    this one from the start (64 MiB), and at most one encode window (see :func:`gpu_window`)."""
     return min(64 << 20, gpu_window(budget))
 
 
