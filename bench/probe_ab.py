@@ -2,8 +2,8 @@
 343 MB fp32 / 172 MB bf16 synthetic weights, variants interleaved round by round in one process
 (drift and clock changes hit all alike), the GPU kept at full clocks by a busy kernel before each
 timed section (as in a training loop). Variants: ANS through nvCOMP's C API (ctypes, the
-engine's choice) or through the Python binding; segment copies all by the Triton tile kernel (one
-launch, the engine's choice) or copy_ for segments of 1 MiB and more. Earlier A/Bs (segment copies, allocator,
+engine's choice) or through the Python binding. (The fourth session also A/B'd copy_ for segments
+of 1 MiB and more against the one-launch Triton copy; the engine keeps only the latter.) Earlier A/Bs (segment copies, allocator,
 header-checked decode) and their results: docs/benchmarks.md.
 
     PYTHONPATH=src python bench/probe_ab.py
@@ -19,7 +19,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_throughput import ref_of  # noqa: E402
 
-from ckptzip import engine  # noqa: E402
 from ckptzip.codecs import gpu as G  # noqa: E402
 from probe_common import components, decode_all, encode_all, planned  # noqa: E402
 
@@ -51,16 +50,15 @@ def one(plan, units, dst):
 
 def main():
     G._nvcomp()
-    variants = [("capi", None), ("capi", 1 << 20), ("binding", None)]
+    variants = ["capi", "binding"]
     for name, t in components().items():
         plan, units, dst = planned(t)
         ref = ref_of(t)
         times = {v: ([], []) for v in variants}
         for rnd in range(16):
             for v in variants:
-                engine.BIG_COPY = v[1]
                 plan.codec.__dict__.pop("_c", None)
-                if v[0] == "binding":
+                if v == "binding":
                     plan.codec.__dict__["_c"] = None
                 te, td = one(plan, units, dst)
                 if rnd:
@@ -69,7 +67,7 @@ def main():
         n = ref.data.numel()
         assert torch.equal(dst, ref.data)
         for v, (e, d) in times.items():
-            print(json.dumps({"data": name, "path": v[0], "big_copy": v[1],
+            print(json.dumps({"data": name, "path": v,
                               "c_med": round(n / statistics.median(e) / 1e9, 1), "c_best": round(n / min(e) / 1e9, 1),
                               "d_med": round(n / statistics.median(d) / 1e9, 1), "d_best": round(n / min(d) / 1e9, 1)}), flush=True)
 

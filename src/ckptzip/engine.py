@@ -282,22 +282,16 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
     return Encoded(tensors, src, soff, stored, raw, flags, counts)
 
 
-#: on CUDA, segments at least this long are copied with copy_ (one call each), shorter ones by
-#: one Triton launch for all; None: every segment by the Triton kernel (one launch)
-BIG_COPY: int | None = None
-
-
 def copy_segments(src: torch.Tensor, soffs: np.ndarray, dst: torch.Tensor, doffs: np.ndarray,
                   lens: np.ndarray, ends: np.ndarray | None = None) -> None:
     """dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]] for every i (flat uint8 tensors, same
     device), and dst[doffs[i]+lens[i]:doffs[i]+ends[i]] zeroed where ``ends`` is given. On CUDA,
-    one Triton kernel launch for all (with ``BIG_COPY`` set: copy_ for segments that long);
-    elsewhere, one copy per run of adjacent segments."""
+    one Triton kernel launch for all; elsewhere, one copy per run of adjacent segments."""
     if not len(lens):
         return
     ends = lens if ends is None else ends
     tk = _triton() if src.is_cuda else None
-    if tk is not None and BIG_COPY is None:
+    if tk is not None:
         tk.copy_segments(src, soffs, dst, doffs, lens, ends)
         return
     # merge runs of segments that are adjacent on both sides (only a run's last one has padding)
@@ -310,22 +304,10 @@ def copy_segments(src: torch.Tensor, soffs: np.ndarray, dst: torch.Tensor, doffs
         pads = (ends - lens)[last]
         lens, soffs, doffs = np.add.reduceat(lens, starts), soffs[starts], doffs[starts]
         ends = lens + pads
-    if tk is None:
-        for s, d, n, e in zip(soffs.tolist(), doffs.tolist(), lens.tolist(), ends.tolist()):
-            dst[d:d + n].copy_(src[s:s + n])
-            if e > n:
-                dst[d + n:d + e].zero_()
-        return
-    big = lens >= (BIG_COPY or 1 << 62)
-    for s, d, n in zip(soffs[big].tolist(), doffs[big].tolist(), lens[big].tolist()):
+    for s, d, n, e in zip(soffs.tolist(), doffs.tolist(), lens.tolist(), ends.tolist()):
         dst[d:d + n].copy_(src[s:s + n])
-    small = ~big
-    pad_big = big & (ends > lens)  # padding after a plain copy: zero-only tiles
-    if small.any() or pad_big.any():
-        z = np.zeros(int(pad_big.sum()), dtype=np.int64)
-        tk.copy_segments(src, np.concatenate([soffs[small], z]), dst,
-                         np.concatenate([doffs[small], (doffs + lens)[pad_big]]),
-                         np.concatenate([lens[small], z]), np.concatenate([ends[small], (ends - lens)[pad_big]]))
+        if e > n:
+            dst[d + n:d + e].zero_()
 
 
 def pack(enc: Encoded, out: torch.Tensor, offs: np.ndarray) -> None:
@@ -333,7 +315,7 @@ def pack(enc: Encoded, out: torch.Tensor, offs: np.ndarray) -> None:
     16-byte boundary (``offs`` from :meth:`Encoded.packed`: every byte of ``out`` is written)."""
     padded = (enc.stored + ALIGN - 1) // ALIGN * ALIGN
     base = enc.tensors[0]
-    tk = _triton() if base.is_cuda and BIG_COPY is None else None
+    tk = _triton() if base.is_cuda else None
     if tk is not None:  # one launch gathers from every tensor (offsets relative to the first)
         rel = np.array([t.data_ptr() - base.data_ptr() for t in enc.tensors], dtype=np.int64)
         tk.copy_segments(base, enc.soff + rel[enc.src], out, offs, enc.stored, padded)
