@@ -134,8 +134,6 @@ def _temp_size(kind: str, alg: str, opts: _Opts, n: int, mx: int, total: int, st
     return _SZ(got)
 
 
-def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
 
 
 _TEMP: dict = {}  # (device index, stream) -> scratch tensor, reused in stream order
@@ -166,6 +164,15 @@ def compress(alg: str, opts: _Opts, src: torch.Tensor, offs, sizes, out: torch.T
         return _compress(alg, opts, src, offs, sizes, out, out_offs, cap)
 
 
+def _setup(kind: str, alg: str, opts: _Opts, dev: torch.device, sizes: np.ndarray):
+    """What both directions need for a batch whose uncompressed chunk sizes are ``sizes``: the
+    current stream, the largest chunk, nvCOMP's scratch size and the scratch tensor."""
+    stream = torch.cuda.current_stream(dev)
+    mx, total = int(sizes.max()), int(sizes.sum())
+    temp_n = _temp_size(kind, alg, opts, len(sizes), mx, total, stream.cuda_stream)
+    return stream, mx, temp_n, _temp(dev, stream.cuda_stream, int(temp_n.value))
+
+
 def _compress(alg, opts, src, offs, sizes, out, out_offs, cap) -> "Batch":
     dev = src.device
     sizes = np.asarray(sizes, dtype=np.int64)
@@ -173,13 +180,10 @@ def _compress(alg, opts, src, offs, sizes, out, out_offs, cap) -> "Batch":
     tab = _table(np.asarray(offs, dtype=np.int64) + src.data_ptr(), sizes,
                  np.asarray(out_offs, dtype=np.int64) + out.data_ptr(), device=dev)
     res = torch.zeros(2, n, dtype=torch.int64, device=dev)  # compressed sizes, statuses (int32)
-    stream = _stream(dev)
-    mx, total = int(sizes.max()), int(sizes.sum())
-    temp_n = _temp_size("Compress", alg, opts, n, mx, total, stream)
-    temp = _temp(dev, stream, int(temp_n.value))
+    stream, mx, temp_n, temp = _setup("Compress", alg, opts, dev, sizes)
     _call(f"nvcompBatched{alg}CompressAsync", _P(tab[0].data_ptr()), _P(tab[1].data_ptr()), _SZ(mx), _SZ(n),
           _P(temp.data_ptr()), temp_n, _P(tab[2].data_ptr()), _P(res[0].data_ptr()), opts,
-          _P(res[1].data_ptr()), _P(stream))
+          _P(res[1].data_ptr()), _P(stream.cuda_stream))
     host = res.to("cpu", non_blocking=True)  # into pinned memory
     ev = torch.cuda.Event()
     ev.record()
@@ -225,17 +229,14 @@ def _decompress(alg, opts, src, offs, sizes, dst, dst_offs, dst_sizes) -> None:
     tab = _table(np.asarray(offs, dtype=np.int64) + src.data_ptr(), sizes,
                  np.asarray(dst_offs, dtype=np.int64) + dst.data_ptr(), dst_sizes, device=dev)
     res = torch.full((2, n), -1, dtype=torch.int64, device=dev)  # decoded sizes, statuses (int32)
-    stream = _stream(dev)
-    mx, total = int(dst_sizes.max()), int(dst_sizes.sum())
-    temp_n = _temp_size("Decompress", alg, opts, n, mx, total, stream)
-    temp = _temp(dev, stream, int(temp_n.value))
+    stream, _mx, temp_n, temp = _setup("Decompress", alg, opts, dev, dst_sizes)
     _call(f"nvcompBatched{alg}DecompressAsync", _P(tab[0].data_ptr()), _P(tab[1].data_ptr()),
           _P(tab[3].data_ptr()), _P(res[0].data_ptr()), _SZ(n), _P(temp.data_ptr()), temp_n,
-          _P(tab[2].data_ptr()), opts, _P(res[1].data_ptr()), _P(stream))
+          _P(tab[2].data_ptr()), opts, _P(res[1].data_ptr()), _P(stream.cuda_stream))
     pending = getattr(_PENDING, "items", None)
     if pending is None:
         pending = _PENDING.items = []
-    pending.append((res.to("cpu", non_blocking=True), dst_sizes, torch.cuda.current_stream(dev)))
+    pending.append((res.to("cpu", non_blocking=True), dst_sizes, stream))
 
 
 @contextlib.contextmanager
@@ -263,7 +264,7 @@ def check_decodes() -> None:
     if not pending:
         return
     _PENDING.items = []
-    for stream in {id(x[2]): x[2] for x in pending}.values():
+    for stream in {x[2].cuda_stream: x[2] for x in pending}.values():
         stream.synchronize()  # the results were copied into pinned memory on these streams
     host = [r.numpy() for r, _w, _s in pending]
     ok = all(np.array_equal(h[0], w) and not h[1].view(np.int32)[:len(w)].any()  # n int32 statuses first
