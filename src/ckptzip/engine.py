@@ -179,8 +179,9 @@ def groups(units: list[Unit], window: int, max_chunks: int = 8192) -> Iterator[l
         yield cur
 
 
-def _ceil16(n: int) -> int:
-    return (n + 15) // 16 * 16
+def _ceil16(n):
+    """``n`` (an int or an array) rounded up to the chunk alignment, :data:`ALIGN` bytes."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _codec_key(c: Codec) -> tuple:
@@ -203,7 +204,7 @@ class Encoded:
 
     def packed(self) -> tuple[np.ndarray, int]:
         """16-byte aligned offsets of the chunks packed back to back, and the packed size."""
-        padded = (self.stored + ALIGN - 1) // ALIGN * ALIGN
+        padded = _ceil16(self.stored)
         offs = np.zeros(len(padded), dtype=np.int64)
         np.cumsum(padded[:-1], out=offs[1:])
         return offs, int(padded.sum())
@@ -313,7 +314,7 @@ def copy_segments(src: torch.Tensor, soffs: np.ndarray, dst: torch.Tensor, doffs
 def pack(enc: Encoded, out: torch.Tensor, offs: np.ndarray) -> None:
     """Copy every chunk of ``enc`` into ``out`` at ``offs``, zeroing the padding up to the next
     16-byte boundary (``offs`` from :meth:`Encoded.packed`: every byte of ``out`` is written)."""
-    padded = (enc.stored + ALIGN - 1) // ALIGN * ALIGN
+    padded = _ceil16(enc.stored)
     base = enc.tensors[0]
     tk = _triton() if base.is_cuda else None
     if tk is not None:  # one launch gathers from every tensor (offsets relative to the first)
@@ -631,7 +632,7 @@ def read_stored(fd: int, batch: np.ndarray, pinned: bool = False) -> tuple[torch
         offs = fo - fo[0]
         total = span
     else:
-        padded = (stored + ALIGN - 1) // ALIGN * ALIGN
+        padded = _ceil16(stored)
         offs = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.int64)
         total = int(padded.sum())
     buf = PINNED.acquire(total) if pinned else torch.empty(total, dtype=torch.uint8)
