@@ -10,8 +10,7 @@ import numpy as np
 import torch
 
 from ckptzip.codecs import _capi
-from ckptzip.planner import Planner
-from ckptzip.engine import (DEFAULT_WINDOW, Job, decode_group, encode_group_arrays, gather_gpu,
+from ckptzip.engine import (DEFAULT_WINDOW, Job, Planner, decode_group, encode_group_arrays, gather_gpu,
                             gpu_window, stage_encoded, units_of)
 from ckptzip.tree import StorageRef
 

@@ -280,11 +280,6 @@ def main():
         del cat
     locality = exponent_locality(comps["adam v"])
     print("adam v exponent locality", locality, flush=True)
-    try:
-        import probe_vexp
-        locality["coders"] = probe_vexp.main(state)
-    except Exception as e:  # noqa: BLE001
-        locality["coders"] = str(e)
     with open(os.path.join(a.out, "bench_partial.json"), "w") as f:  # in case the e2e part is cut off
         json.dump({"info": info, "components": per, "adam_v_exponent": locality}, f, indent=1, default=str)
     whole = e2e(state, a.disk)

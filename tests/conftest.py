@@ -30,6 +30,17 @@ def pytest_collection_modifyitems(config, items):
                 it.add_marker(skip)
 
 
+def chunks_of(data: torch.Tensor, chunk: int):
+    offs = list(range(0, data.numel(), chunk))
+    return offs, [min(chunk, data.numel() - o) for o in offs]
+
+
+def sample_data(n=50_000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n // 4, generator=g)
+    return torch.cat([x.view(torch.uint8), torch.zeros(n - x.numel() * 4, dtype=torch.uint8)])
+
+
 def same_bits(a, b) -> bool:
     """Bit-exact tensor (or ndarray) comparison: NaN payloads and -0.0 count."""
     if isinstance(a, np.ndarray):

@@ -1,120 +1,12 @@
-"""Conformance tests shared by every codec implementation (numcodecs/zarr style): each registered
-(wire id, device) pair that can run here must round-trip, reject lies, never touch its input, and
-decode what every other implementation of its wire id wrote."""
+"""nvCOMP codec specifics: the C-API path and the binding read each other's bitstreams, and the
+option structs passed to the C API have the layout nvCOMP expects (shared codec checks are in
+test_conformance.py)."""
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import ckptzip
-from ckptzip.codecs import get_codec, registered
-from ckptzip.transforms import BytePlane
-from conftest import cuda_ok
-
-IMPLS = [(w, d) for w, devs in registered().items() for d in devs]
-
-
-def usable(device):
-    return device == "cpu" or cuda_ok()
-
-
-def chunks_of(data: torch.Tensor, chunk: int):
-    offs = list(range(0, data.numel(), chunk))
-    return offs, [min(chunk, data.numel() - o) for o in offs]
-
-
-def sample_data(n=50_000, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n // 4, generator=g)
-    return torch.cat([x.view(torch.uint8), torch.zeros(n - x.numel() * 4, dtype=torch.uint8)])
-
-
-@pytest.mark.parametrize("wire,device", IMPLS, ids=[f"{w}-{d}" for w, d in IMPLS])
-def test_roundtrip_and_input_untouched(wire, device):
-    if not usable(device):
-        pytest.skip("needs a CUDA GPU with nvCOMP")
-    c = get_codec(wire, device)
-    data = sample_data().to(device)
-    before = data.clone()
-    offs, sizes = chunks_of(data, 8192)
-    dst, doffs, dsizes = c.encode(data, offs, sizes)
-    assert torch.equal(data, before)
-    out = torch.zeros_like(data)
-    c.decode(dst, doffs, dsizes, out, offs, sizes)
-    assert torch.equal(out, data)
-    assert c.get_config()["id"] == wire
-
-
-@pytest.mark.parametrize("wire,device", IMPLS, ids=[f"{w}-{d}" for w, d in IMPLS])
-def test_decode_rejects_wrong_declared_size(wire, device):
-    if not usable(device) or wire == "raw":
-        pytest.skip("n/a")
-    c = get_codec(wire, device)
-    data = sample_data(20_000).to(device)
-    offs, sizes = chunks_of(data, 4096)
-    dst, doffs, dsizes = c.encode(data, offs, sizes)
-    out = torch.zeros(data.numel() * 2, dtype=torch.uint8, device=device)
-    with pytest.raises(ckptzip.CodecError):
-        c.decode(dst, doffs, dsizes, out, [o * 2 for o in offs], [s * 2 for s in sizes])
-
-
-CROSS = [w for w, devs in registered().items() if len(devs) > 1]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("wire", CROSS)
-def test_cross_device_bitstreams(wire):
-    g, c = get_codec(wire, "cuda"), get_codec(wire, "cpu")
-    data = sample_data(100_003)
-    offs, sizes = chunks_of(data, 16384)
-    for enc, dec in ((g, c), (c, g)):
-        src = data.to(enc.device)
-        dst, doffs, dsizes = enc.encode(src, offs, sizes)
-        out = torch.zeros(data.numel(), dtype=torch.uint8, device=dec.device)
-        dec.decode(dst.to(dec.device), doffs, dsizes, out, offs, sizes)
-        assert torch.equal(out.cpu(), data)
-
-
-@settings(max_examples=40, deadline=None)
-@given(width=st.sampled_from([2, 4, 8]), n=st.integers(0, 3000), block=st.integers(1, 700))
-def test_byteplane_inverse(width, n, block):
-    g = torch.Generator().manual_seed(n)
-    raw = torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=g)
-    bp = BytePlane(width, block)
-    before = raw.clone()
-    enc = bp.encode(raw)
-    assert torch.equal(raw, before)
-    assert sum(s for _, s in bp.segments(raw.numel())) == raw.numel()
-    out = torch.empty_like(raw)
-    bp.decode(enc, out)
-    assert torch.equal(out, raw)
-
-
-def test_byteplane_puts_exponent_in_one_plane():
-    x = torch.randn(4096)
-    enc = BytePlane(4, 4096).encode(x.view(torch.uint8))
-    top = enc[3 * 4096:]
-    assert torch.unique(top).numel() < 40  # exponents of N(0,1) samples: few distinct values
-    # the sign moved to bit 0 of the lowest plane
-    low = enc[:4096]
-    assert torch.equal((low & 1).bool(), x < 0)
-
-
-@settings(max_examples=40, deadline=None)
-@given(width=st.sampled_from([2, 4, 8]), n=st.integers(0, 5000), block=st.integers(1, 900))
-def test_byteplane_numpy_and_torch_paths_agree(width, n, block):
-    """The CPU (numpy) and torch implementations write the same wire format (the Triton one is
-    checked against the CPU one in the GPU tests)."""
-    g = torch.Generator().manual_seed(n + block)
-    raw = torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=g)
-    bp = BytePlane(width, block)
-    a = bp.encode(raw)
-    b = bp._torch_encode(raw, torch.empty_like(raw))
-    assert torch.equal(a, b)
-    x, y = torch.empty_like(raw), torch.empty_like(raw)
-    bp.decode(a, x)
-    bp._torch_decode(a, y)
-    assert torch.equal(x, raw) and torch.equal(y, raw)
+from ckptzip.codecs import get_codec
+from conftest import chunks_of, sample_data
 
 
 @pytest.mark.gpu

@@ -98,8 +98,8 @@ def test_exception_mid_save_keeps_old_file(tmp_path, monkeypatch):
 
     def bad(*a, **k):
         raise Boom()
-    import ckptzip.api as api
-    monkeypatch.setattr(api.ChunkWriter, "add", bad)
+    from ckptzip.io import ChunkWriter
+    monkeypatch.setattr(ChunkWriter, "add", bad)
     with pytest.raises(Boom):
         ckptzip.save({"v": torch.zeros(10)}, p)
     assert p.read_bytes() == old

@@ -136,7 +136,8 @@ def test_bad_stream_is_an_exception_not_a_crash(tmp_path):
 @pytest.mark.parametrize("n,block", [(0, 8), (1, 8), (1000, 64), (100_003, 4096), (3 << 20, 1 << 20)])
 def test_triton_byteplane_matches_torch(dtype, n, block):
     from ckptzip import transforms
-    if transforms._triton() is None:
+    from ckptzip.kernels import triton_kernels
+    if triton_kernels() is None:
         pytest.skip("no Triton")
     x = torch.randn(n, device="cuda").to(dtype).view(torch.uint8)
     bp = transforms.BytePlane(dtype.itemsize, block)
@@ -146,85 +147,6 @@ def test_triton_byteplane_matches_torch(dtype, n, block):
     out = torch.empty_like(x)
     bp.decode(gpu, out)
     assert torch.equal(out, x)
-
-
-def test_copy_segments_zero_pads_and_matches_reference():
-    import numpy as np
-    from ckptzip.engine import copy_segments
-    src = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8, device="cuda")
-    lens = np.array([5, 16, 1 << 20, (1 << 20) + 3, 1000, 32, 32, 17, 2 << 20, 7], dtype=np.int64)
-    ends = (lens + 15) // 16 * 16
-    doffs = np.concatenate([[0], np.cumsum(ends)[:-1]]).astype(np.int64)
-    soffs = np.array([100, 105, 121, (1 << 20) + 121, 5 << 20, (6 << 20), (6 << 20) + 32, 9 << 20, 3 << 20, 17],
-                     dtype=np.int64)  # some runs adjacent in src (merged when nothing pads between)
-    total = int(ends.sum())
-    want = np.zeros(total, dtype=np.uint8)
-    s = src.cpu().numpy()
-    for a, d, n in zip(soffs, doffs, lens):
-        want[d:d + n] = s[a:a + n]
-    for dev in ("cuda", "cpu"):
-        dst = torch.full((total,), 0xAB, dtype=torch.uint8, device=dev)
-        copy_segments(src.to(dev), soffs, dst, doffs, lens, ends)
-        assert np.array_equal(dst.cpu().numpy(), want), dev
-
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_copy_segments_random_layouts(seed):
-    """Random segments (aligned and not, lengths around word and tile edges, padding or none, a
-    misaligned source view): the Triton tile kernel's word and byte paths agree with a numpy
-    reference, and nothing outside the segments' ranges is written."""
-    import numpy as np
-    from ckptzip import engine
-    rng = np.random.default_rng(seed)
-    src_all = torch.randint(0, 256, (9 << 20,), dtype=torch.uint8, device="cuda")
-    src = src_all[seed:]  # seeds 1-3: a source whose first byte is not 16-byte aligned
-    k = 60
-    choices = [1, 3, 4, 15, 16, 17, 4095, 4096, 4097, 65535, 65536, 65537, 200_000, 1 << 20, (1 << 20) + 5]
-    lens = rng.choice(choices, k).astype(np.int64)
-    aligned = rng.random(k) < 0.6
-    pad = rng.random(k) < 0.5
-    ends = np.where(pad, (lens + 15) // 16 * 16, lens)
-    gaps = np.where(aligned, 0, rng.integers(1, 15, k))
-    doffs = np.zeros(k, dtype=np.int64)
-    pos = 0
-    for i in range(k):
-        pos = (pos + 15) // 16 * 16 + gaps[i]
-        doffs[i] = pos
-        pos += ends[i] + 5  # 5 untouched bytes after each segment
-    soffs = np.array([(rng.integers(0, src.numel() - n) // 16 * 16 + (0 if a else rng.integers(1, 15)))
-                      for n, a in zip(lens, aligned)], dtype=np.int64)
-    soffs = np.minimum(soffs, src.numel() - lens)
-    total = pos + 16
-    s = src.cpu().numpy()
-    want = np.full(total, 0xAB, dtype=np.uint8)
-    for a, d, n, e in zip(soffs, doffs, lens, ends):
-        want[d:d + n] = s[a:a + n]
-        want[d + n:d + e] = 0
-    dst = torch.full((total,), 0xAB, dtype=torch.uint8, device="cuda")
-    engine.copy_segments(src, soffs, dst, doffs, lens, ends)
-    assert np.array_equal(dst.cpu().numpy(), want)
-
-
-def test_pack_gathers_from_several_tensors():
-    """pack() on CUDA gathers chunks of the stream and of the codec outputs in one launch."""
-    import numpy as np
-    from ckptzip.engine import Encoded, pack
-    a = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
-    b = torch.randint(0, 256, (300_000,), dtype=torch.uint8, device="cuda")
-    c = torch.randint(0, 256, (70_000,), dtype=torch.uint8, device="cuda")
-    tensors = [a, b, c]
-    src = np.array([0, 1, 2, 1, 0], dtype=np.int64)
-    soff = np.array([16, 0, 32, 131072, 500_000], dtype=np.int64)
-    stored = np.array([1000, 70_001, 5, 65536, 3], dtype=np.int64)
-    enc = Encoded(tensors, src, soff, stored, stored.copy(), np.zeros(5, np.uint8), [5])
-    offs, total = enc.packed()
-    out = torch.full((total,), 0xAB, dtype=torch.uint8, device="cuda")
-    pack(enc, out, offs)
-    want = np.zeros(total, dtype=np.uint8)
-    for t, so, n, o in zip(src, soff, stored, offs):
-        want[o:o + n] = tensors[t].cpu().numpy()[so:so + n]
-    assert np.array_equal(out.cpu().numpy(), want)
 
 
 @pytest.mark.parametrize("claim", [1 << 16, 1 << 20, 1 << 24, 0xFFFFFFFF])

@@ -220,11 +220,11 @@ def test_s3_multipart_save_load_and_manager(s3):
 def test_s3_failed_upload_is_not_visible(s3, monkeypatch):
     m = ckptzip.CheckpointManager("s3://ckz/faulty", keep_last=2)
     m.save(1, state(1000, 1))
-    import ckptzip.engine as engine
+    from ckptzip.io import ChunkWriter
 
     def boom(*a, **k):
         raise OSError(errno.EIO, "injected")
-    monkeypatch.setattr(engine.ChunkWriter, "add", boom)
+    monkeypatch.setattr(ChunkWriter, "add", boom)
     with pytest.raises(OSError):
         m.save(2, state(3_000_000, 2))
     assert m.steps() == [1]

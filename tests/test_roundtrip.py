@@ -163,29 +163,3 @@ def test_compresses_trained_floats(tmp_path, small_state):
     p = tmp_path / "c.ckz"
     r = ckptzip.save(small_state, p)
     assert r["stored_bytes"] < 0.95 * r["raw_bytes"]
-
-
-def test_pinned_pool_leases_reuse_and_bound():
-    from ckptzip.engine import PinnedPool
-    pool = PinnedPool()
-    a = pool.acquire(100)
-    b = pool.acquire(3 << 20)
-    assert a.numel() == 100 and b.numel() == 3 << 20
-    pa = a.data_ptr()
-    pool.release(a)
-    pool.release(a)  # a second release is ignored
-    c = pool.acquire(50)
-    assert c.data_ptr() == pa  # the smallest free buffer that fits is reused
-    d = pool.acquire(200)  # a is leased again: a new buffer
-    assert d.data_ptr() not in (pa, b.data_ptr())
-    big = [pool.acquire((9 << 20) + k) for k in range(8)]
-    assert all(x.untyped_storage().nbytes() == 16 << 20 for x in big)  # rounded up to 8 MiB grains
-    for x in big + [b, c, d]:
-        pool.release(x)
-    assert len(pool._free) == PinnedPool.MAX_FREE
-    assert min(x.numel() for x in pool._free) >= 16 << 20  # the smallest were dropped
-    del big
-    e = pool.acquire(40 << 20)
-    del e  # a lease dropped without release (an error path) is not kept alive by the pool
-    assert all(r() is None or r().numel() != 40 << 20 for r in pool._leased.values())
-    pool.release(torch.empty(1))  # unknown buffers are ignored

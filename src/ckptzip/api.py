@@ -3,100 +3,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import __version__
-from .codecs.base import MAX_CHUNK
-from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, ChunkWriter, Job, decode_jobs, encode_group_arrays,
-                     gpu_decode_window, gpu_window, groups, storage_plan_from_manifest, units_of)
-from .planner import Planner, gpu_ok
+from . import __version__  # noqa: F401  (the CLI reads it from here)
+from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, Job, decode_jobs, gpu_decode_window, gpu_ok,
+                     storage_plan_from_manifest)
 from .errors import CorruptFileError, TensorNotFoundError
-from .format import (FOOTER_SIZE, HEADER_SIZE, check_header, pack_footer, pack_header,
-                     pack_manifest, parse_footer, parse_manifest)
-from .storage import RemoteSource, is_url, local_path, open_for_write, pread_into
-from .tree import Decoder, Encoder, tensor_paths
+from .format import FOOTER_SIZE, HEADER_SIZE, check_header, parse_footer, parse_manifest
+from .pipeline import prepare, write
+from .storage import RemoteSource, is_url, local_path, pread_into
+from .tree import Decoder, tensor_paths
 
 Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
-
-
-@dataclass
-class _Prepared:
-    """A save, planned: the object tree, its storages, their plans and the grouped work units."""
-    root: Any
-    meta: dict
-    refs: list
-    plans: list
-    groups: list
-    total: int
-
-
-def _prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
-             storage_gbps, window, reuse_plan: bool = False) -> _Prepared:
-    if not isinstance(chunk_size, int) or not 64 <= chunk_size <= MAX_CHUNK:
-        raise ValueError(f"chunk_size must be between 64 and {MAX_CHUNK} bytes")
-    if transform not in ("auto", "byteplane", None):
-        raise ValueError("transform must be 'auto', 'byteplane' or None")
-    meta = dict(metadata or {})
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise TypeError("metadata must map str to str")
-    enc = Encoder(allow_pickle=allow_pickle)
-    root = enc.encode(obj)
-    planner = Planner(codec, transform, chunk_size, level, device, portable, storage_gbps)
-    if window is None:
-        window = gpu_window() if planner.dev == "cuda" else DEFAULT_WINDOW
-    plans = planner.plan_all(enc.storages, window, reuse_plan)
-    units = [u for i, (ref, plan) in enumerate(zip(enc.storages, plans))
-             for u in units_of(i, ref.data, plan, window)]
-    return _Prepared(root, meta, enc.storages, plans, list(groups(units, window)),
-                     sum(r.data.numel() for r in enc.storages))
-
-
-def _write(prep: _Prepared, path, fsync: bool, progress: Progress | None, staged: list | None = None) -> dict:
-    """Encode (or take the ``staged`` snapshot of) every group and write the file atomically."""
-    counts = [0] * len(prep.plans)
-    with open_for_write(path, fsync=fsync) as f:
-        f.write(pack_header())
-        w = ChunkWriter(f, HEADER_SIZE)
-        try:
-            for gi, grp in enumerate(prep.groups):
-                if staged is not None and staged[gi] is not None:
-                    ent, staged[gi] = staged[gi], None
-                    host, rel, per_unit = ent.fetch() if hasattr(ent, "fetch") else ent
-                    w.add_staged(host, rel)
-                    del ent
-                else:
-                    enc = encode_group_arrays(grp)
-                    w.add(enc)
-                    per_unit = enc.counts
-                    del enc  # free this group's GPU buffers before the next is encoded
-                for u, n in zip(grp, per_unit):
-                    counts[u.owner] += n
-                if progress:
-                    progress(sum(u.data.numel() for u in grp), prep.total)
-        finally:
-            rows = w.finish()
-        entries, first = [], 0
-        for ref, plan, count in zip(prep.refs, prep.plans, counts):
-            entries.append({
-                "nbytes": ref.data.numel(), "elem": ref.elem, "device": ref.device,
-                "transforms": [plan.transform.get_config()] if plan.transform else [],
-                "codec": plan.codec.get_config(), "rows": [first, count],
-            })
-            if plan.choice:
-                entries[-1]["choice"] = plan.choice
-            first += count
-        pos = w.pos
-        doc = {"format": "ckz", "version": [1, 0], "created_by": f"ckptzip {__version__}",
-               "meta": prep.meta, "n_chunks": len(rows), "storages": entries, "root": prep.root}
-        manifest = pack_manifest(doc, rows)
-        f.write(manifest)
-        f.write(pack_footer(pos, manifest))
-        size = pos + len(manifest) + FOOTER_SIZE
-    return {"path": os.fspath(path), "raw_bytes": prep.total, "stored_bytes": size}
 
 
 def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", transform: str | None = "auto",
@@ -114,9 +35,9 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
     bandwidth you expect) steers ``auto`` on the GPU. The write is atomic. Returns a summary
     ``{"raw_bytes", "stored_bytes", "path"}``.
     """
-    prep = _prepare(obj, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
+    prep = prepare(obj, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
                     storage_gbps, window)
-    return _write(prep, path, fsync, progress)
+    return write(prep, path, fsync, progress)
 
 
 def _resolve_device(saved: str, map_location: Any) -> torch.device:

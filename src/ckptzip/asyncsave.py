@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .api import _prepare, _write
+from .pipeline import prepare, write
 from .engine import DEFAULT_CHUNK, encode_group_arrays, gather_gpu
 
 
@@ -190,13 +190,13 @@ def async_save(obj: Any, path, *, codec: str | dict = "auto", transform: str | N
     if prev is not None:
         prev._done.wait()  # the arena is reused: one save in flight at a time
     t0 = time.perf_counter()
-    prep = _prepare(obj, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
+    prep = prepare(obj, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
                     storage_gbps, window, reuse_plan)
     staged = _snapshot(prep, gpu_snapshot_bytes)
     handle = SaveHandle()
     handle.path = str(path)
     handle.stall_s = time.perf_counter() - t0
-    t = threading.Thread(target=handle._run, args=(lambda: _write(prep, path, fsync, progress, staged),),
+    t = threading.Thread(target=handle._run, args=(lambda: write(prep, path, fsync, progress, staged),),
                          name="ckptzip-async-save")
     t.start()
     with _LAST_LOCK:

@@ -1,0 +1,171 @@
+"""Decoding: batches of whole transform blocks, grouped up to a window, read and checksummed by
+a reader thread while the previous group is decoded straight into the destination tensors."""
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..codecs import _capi
+from ..codecs.base import Codec, get_codec
+from ..errors import CorruptFileError
+from ..format import FLAG_STORED_RAW
+from ..io.reader import read_stored
+from ..transforms import Transform, get_transform
+from .memory import PINNED, copy_segments
+from .plan import DEFAULT_WINDOW, codec_key
+
+def storage_plan_from_manifest(s: dict[str, Any], device: str) -> tuple[Transform | None, Codec]:
+    tfs = s.get("transforms", [])
+    if len(tfs) > 1:
+        raise CorruptFileError("format v1 readers decode chains of at most one transform")
+    tf = get_transform(tfs[0]) if tfs else None
+    if tf is not None and not tf.accepts(s["nbytes"]):
+        raise CorruptFileError("storage size is not a multiple of its byteplane width")
+    return tf, get_codec(s["codec"], device)
+
+
+def batches(rows: np.ndarray, nbytes: int, tf: Transform | None, window: int
+            ) -> Iterator[tuple[int, int, int, int]]:
+    """(first row, end row, start byte, end byte) of each decode batch of one storage: a batch
+    ends on a byteplane block boundary once it holds ``window`` bytes (or at the end)."""
+    span = tf.block * tf.width if tf else 1
+    ends = np.cumsum(rows["raw"].astype(np.int64))
+    i, n, start = 0, len(rows), 0
+    while i < n:
+        j = i
+        while j < n:
+            j += 1
+            if (ends[j - 1] - start) >= window and ends[j - 1] % span == 0:
+                break
+        end = int(ends[j - 1])
+        if tf is not None and end % span and end != nbytes:
+            raise CorruptFileError("chunk boundaries do not align with byteplane blocks")
+        yield i, j, start, end
+        i, start = j, end
+
+
+@dataclass
+class Job:
+    """One storage to decode into ``out`` (a flat uint8 tensor)."""
+    rows: np.ndarray
+    tf: Transform | None
+    codec: Codec
+    out: torch.Tensor
+
+
+def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
+                progress: Callable[[int], None] | None = None) -> None:
+    """Decode storages. Batches of whole blocks are grouped up to ``window`` bytes (many small
+    storages per read and per codec call); a reader thread reads and checksums the next group
+    into one of three pooled buffers while the current one is decoded."""
+    items = [(job, i, j, a, b) for job in jobs for i, j, a, b in batches(job.rows, job.out.numel(), job.tf, window)]
+    grouped: list[list] = []
+    size = 0
+    for it in items:
+        if grouped and size + (it[4] - it[3]) <= window and it[0].codec.device == grouped[-1][0][0].codec.device:
+            grouped[-1].append(it)
+            size += it[4] - it[3]
+        else:
+            grouped.append([it])
+            size = it[4] - it[3]
+    if not grouped:
+        return
+    gpu = any(job.codec.device == "cuda" for job in jobs)
+    q: queue.Queue = queue.Queue(maxsize=2)
+    free: queue.Queue = queue.Queue()
+    for slot in range(3):
+        free.put(slot)
+    stop = threading.Event()
+
+    def reader() -> None:
+        try:
+            for grp in grouped:
+                if stop.is_set():
+                    return
+                slot = free.get()
+                rows = np.concatenate([job.rows[i:j] for job, i, j, _a, _b in grp])
+                host, soffs = read_stored(fd, rows, pinned=gpu)
+                q.put((slot, host, soffs, rows, None))
+        except BaseException as e:  # re-raised by the consumer
+            q.put((None, None, None, None, e))
+
+    t = threading.Thread(target=reader, name="ckptzip-reader", daemon=True)
+    t.start()
+    try:
+        with _capi.deferred_checks():
+            _decode_loop(grouped, q, free, progress)
+    finally:
+        stop.set()
+        while t.is_alive():  # unblock a reader waiting for a slot or for queue room
+            free.put(0)
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                pass
+            t.join(timeout=0.01)
+
+
+def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress) -> None:
+    """Consume what the reader thread queued: decode each group, hand its slot back."""
+    for grp in grouped:
+        slot, host, soffs, rows, err = q.get()
+        if err is not None:
+            raise err
+        work = grp[0][0].codec.device
+        src = host.to(work, non_blocking=True) if work != "cpu" else host
+        decode_group(src, soffs, rows, grp, work)
+        if work == "cuda":
+            torch.cuda.current_stream().synchronize()  # the pinned buffer may be reused now
+            _capi.check_decodes()
+        PINNED.release(host)  # (after an error it is not reused: the lease just lapses)
+        free.put(slot)
+        if progress:
+            progress(sum(b - a for _j, _i, _jj, a, b in grp))
+
+
+def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: list, work: str) -> None:
+    """Decode a group of batches (``rows`` concatenated in group order, already verified): raw
+    chunks are copied, codec chunks go to one call per codec, transforms are undone per batch."""
+    stored = rows["stored"].astype(np.int64)
+    raws = rows["raw"].astype(np.int64)
+    soffs = np.asarray(soffs, dtype=np.int64)
+    total = int(raws.sum())
+    direct = len(grp) == 1 and grp[0][0].tf is None and grp[0][0].out.device.type == work
+    stream = grp[0][0].out[grp[0][3]:grp[0][4]] if direct else torch.empty(total, dtype=torch.uint8, device=work)
+    roffs = np.zeros(len(raws), dtype=np.int64)
+    np.cumsum(raws[:-1], out=roffs[1:])
+    is_raw = rows["flags"] == FLAG_STORED_RAW
+    copy_segments(src, soffs[is_raw], stream, roffs[is_raw], raws[is_raw])
+    keys: dict[tuple, tuple[int, Codec]] = {}
+    job_key = [keys.setdefault(codec_key(job.codec), (len(keys), job.codec))[0] for job, *_ in grp]
+    if len(keys) > 1:
+        key_of_row = np.repeat(np.asarray(job_key, dtype=np.int64), [j - i for _job, i, j, _a, _b in grp])
+    for k, codec in keys.values():
+        ks = np.nonzero(~is_raw if len(keys) == 1 else ~is_raw & (key_of_row == k))[0]
+        if len(ks):
+            cols = (soffs[ks], stored[ks], roffs[ks], raws[ks])
+            if codec.device != "cuda":
+                cols = tuple(c.tolist() for c in cols)
+            codec.decode(src, cols[0], cols[1], stream, cols[2], cols[3])
+    if direct:
+        return
+    pos = 0
+    for job, i, j, a, b in grp:
+        part = stream[pos:pos + (b - a)]
+        dst = job.out[a:b]
+        if job.tf is not None:
+            if dst.device.type == work:
+                job.tf.decode(part, dst)
+            else:
+                tmp = torch.empty_like(part)
+                job.tf.decode(part, tmp)
+                dst.copy_(tmp)
+        else:
+            dst.copy_(part)
+        pos += b - a

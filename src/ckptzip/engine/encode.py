@@ -1,0 +1,171 @@
+"""Encoding: transform a group of units into one stream on the codec's device, compress every
+chunk of each codec in one call, and pack the chunks (16-byte aligned) for staging or writing."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..codecs.base import Codec
+from ..format import FLAG_STORED_RAW, ROW
+from ..kernels import triton_kernels
+from ..transforms import Transform
+from .memory import PINNED, ceil_align, copy_segments
+from .plan import Unit, codec_key
+
+#: host tensors are moved to the GPU and transformed in slices of this size (whole transform
+#: blocks), so staging needs no window-sized GPU buffer
+STAGE_SLICE = 32 << 20
+
+
+@dataclass
+class Encoded:
+    """A compressed group: per chunk (in unit order) the source tensor (an index into
+    ``tensors``: 0 is the transformed group stream, then one output buffer per codec call), the
+    offset there, stored bytes, raw bytes and flags; ``counts`` is the number of chunks per
+    unit."""
+    tensors: list
+    src: np.ndarray
+    soff: np.ndarray
+    stored: np.ndarray
+    raw: np.ndarray
+    flags: np.ndarray
+    counts: list
+
+    def packed(self) -> tuple[np.ndarray, int]:
+        """16-byte aligned offsets of the chunks packed back to back, and the packed size."""
+        padded = ceil_align(self.stored)
+        offs = np.zeros(len(padded), dtype=np.int64)
+        np.cumsum(padded[:-1], out=offs[1:])
+        return offs, int(padded.sum())
+
+    def rows(self, offs: np.ndarray) -> np.ndarray:
+        """Table rows (checksums zero) for chunks placed at ``offs``."""
+        r = np.zeros(len(offs), ROW)
+        r["offset"], r["stored"], r["raw"], r["flags"] = offs, self.stored, self.raw, self.flags
+        return r
+
+
+def encode_group_arrays(units: list[Unit]) -> Encoded:
+    """Transform every unit into one group stream on the codec device and compress all chunks of
+    each codec in one call; a chunk that does not shrink stays raw. Chunk bookkeeping is done
+    with numpy arrays: a group holds thousands of chunks."""
+    dev = units[0].plan.codec.device
+    # each unit starts 16-byte aligned in the group stream, so nvCOMP reads chunks in place
+    total = sum(ceil_align(u.data.numel()) for u in units)
+    single = len(units) == 1 and units[0].plan.transform is None and units[0].data.device.type == dev
+    stream = units[0].data if single else torch.empty(total, dtype=torch.uint8, device=dev)
+    staged = None
+    pos = 0
+    copies: tuple[list, list] = ([], [])  # plain same-device copies, done in one batched call
+    for u in units:
+        n = u.data.numel()
+        u.base = pos
+        if not single and n:
+            if u.data.device.type != dev and dev == "cuda":
+                if staged is None:
+                    staged = PINNED.acquire(total)
+                staged[pos:pos + n].copy_(u.data)
+                _upload(staged[pos:pos + n], stream[pos:pos + n], u.plan.transform)
+            else:
+                src = u.data if u.data.device.type == dev else u.data.to(dev)
+                if u.plan.transform is not None:
+                    u.plan.transform.encode(src, out=stream[pos:pos + n])
+                else:
+                    copies[0].append(stream[pos:pos + n])
+                    copies[1].append(src)
+        pos += ceil_align(n)
+    if copies[0]:
+        torch._foreach_copy_(*copies)
+    counts = [len(u.sizes) for u in units]
+    soff = np.concatenate([u.offs + u.base for u in units])
+    raw = np.concatenate([u.sizes for u in units])
+    stored = raw.copy()
+    src = np.zeros(len(raw), dtype=np.int64)
+    flags = np.full(len(raw), FLAG_STORED_RAW, dtype=np.uint8)
+    tensors = [stream]
+    by_codec: dict[tuple, tuple[Codec, list]] = {}
+    k = 0
+    for u, c in zip(units, counts):
+        sel = np.arange(k, k + c)
+        if u.plan.raw_planes:
+            sel = sel[~np.isin(u.planes, list(u.plan.raw_planes))]
+        by_codec.setdefault(codec_key(u.plan.codec), (u.plan.codec, []))[1].append(sel)
+        k += c
+    for codec, sels in by_codec.values():
+        idx = np.concatenate(sels)
+        if not len(idx):
+            continue
+        cuda = codec.device == "cuda"  # GPU codecs take numpy arrays (thousands of chunks), CPU ones lists
+        comp, doffs, dsizes = codec.encode(stream, *((soff[idx], raw[idx]) if cuda else (soff[idx].tolist(),
+                                                                                          raw[idx].tolist())))
+        dsizes = np.asarray(dsizes, dtype=np.int64)
+        shrink = dsizes < raw[idx]
+        hit = idx[shrink]
+        src[hit] = len(tensors)
+        soff[hit] = np.asarray(doffs, dtype=np.int64)[shrink]
+        stored[hit] = dsizes[shrink]
+        flags[hit] = 0
+        tensors.append(comp)
+    if staged is not None:
+        torch.cuda.current_stream().synchronize()  # the staging buffer may be reused next group
+        PINNED.release(staged)
+    return Encoded(tensors, src, soff, stored, raw, flags, counts)
+
+
+def pack(enc: Encoded, out: torch.Tensor, offs: np.ndarray) -> None:
+    """Copy every chunk of ``enc`` into ``out`` at ``offs``, zeroing the padding up to the next
+    16-byte boundary (``offs`` from :meth:`Encoded.packed`: every byte of ``out`` is written)."""
+    padded = ceil_align(enc.stored)
+    base = enc.tensors[0]
+    tk = triton_kernels() if base.is_cuda else None
+    if tk is not None:  # one launch gathers from every tensor (offsets relative to the first)
+        rel = np.array([t.data_ptr() - base.data_ptr() for t in enc.tensors], dtype=np.int64)
+        tk.copy_segments(base, enc.soff + rel[enc.src], out, offs, enc.stored, padded)
+        return
+    for t in range(len(enc.tensors)):
+        sel = np.nonzero(enc.src == t)[0]
+        if len(sel):
+            copy_segments(enc.tensors[t], enc.soff[sel], out, offs[sel], enc.stored[sel], padded[sel])
+
+
+def _upload(host: torch.Tensor, dst: torch.Tensor, tf: Transform | None) -> None:
+    """Copy pinned ``host`` bytes to the GPU into ``dst``, transformed, in slices of whole
+    transform blocks (a block's planes occupy exactly the block's byte range)."""
+    if tf is None:
+        dst.copy_(host, non_blocking=True)
+        return
+    span = tf.block * tf.width
+    step = max(span, STAGE_SLICE // span * span)
+    for a in range(0, host.numel(), step):
+        b = min(host.numel(), a + step)
+        tf.encode(host[a:b].to(dst.device, non_blocking=True), out=dst[a:b])
+
+
+
+def _packed_into(enc: Encoded, alloc: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
+    """The chunks of ``enc`` packed at 16-byte aligned offsets (zero padding between) into
+    ``alloc(n)`` on the group's device; returns it and the rows (relative offsets, checksums 0)."""
+    offs, total = enc.packed()
+    out = alloc(total)
+    pack(enc, out, offs)
+    return out, enc.rows(offs)
+
+
+def gather_gpu(enc: Encoded) -> tuple[torch.Tensor, np.ndarray]:
+    """The chunks of a GPU group packed into one new GPU tensor (see :func:`_packed_into`)."""
+    return _packed_into(enc, lambda n: torch.empty(n, dtype=torch.uint8, device=enc.tensors[0].device))
+
+
+def stage_encoded(enc: Encoded, alloc: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
+    """The chunks of a group packed into one host buffer from ``alloc(n)``; a GPU group is packed
+    on the GPU and copied once (waits for the copy)."""
+    if enc.tensors[0].device.type != "cuda":
+        return _packed_into(enc, alloc)
+    buf, rows = gather_gpu(enc)
+    host = alloc(buf.numel())
+    host.copy_(buf, non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    return host, rows

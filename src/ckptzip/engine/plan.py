@@ -1,0 +1,134 @@
+"""Planning: how a storage is cut into windows, units and groups of work.
+
+A storage (a flat byte buffer) is processed in *windows* of whole transform blocks so that the
+memory any step holds is bounded by the window size, whatever the tensor's size. A *unit* is one
+window of one storage with its chunk layout; a *group* is a run of units of about one window's
+bytes that share codec calls.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..codecs.base import Codec
+from ..transforms import Transform
+
+DEFAULT_CHUNK = 1 << 20
+DEFAULT_WINDOW = 64 << 20
+
+
+@dataclass
+class Plan:
+    """One storage's encoding: the transform (or None), the codec and the chunk size."""
+    transform: Transform | None
+    codec: Codec
+    chunk_size: int
+    choice: str | None = None
+    raw_planes: frozenset = frozenset()
+    plane_chunks: dict = None  # plane index -> chunk size, where it differs from chunk_size
+
+
+def gpu_decode_window(budget: int | None = None) -> int:
+    """Group bytes for GPU decoding: small enough that reading the next group overlaps decoding
+    this one from the start (64 MiB), and at most one encode window (see :func:`gpu_window`)."""
+    return min(64 << 20, gpu_window(budget))
+
+
+def gpu_window(budget: int | None = None) -> int:
+    """Window bytes for GPU work: peak extra memory is under 4 windows (the transformed window,
+    compressed output at nvCOMP's worst-case size, gather and staging slices), kept under
+    ``budget`` (default: the smaller of 1 GiB and 10 % of free GPU memory). Windows are as large
+    as that allows because nvCOMP's throughput grows with the bytes per call: ANS on H100 ran at
+    ~50 GB/s with 16 MB per call, ~150 with 64 MB and 300-400 with 256 MB
+    (bench/probe_throughput.py)."""
+    if budget is None:
+        free, _total = torch.cuda.mem_get_info()
+        budget = min(1 << 30, free // 10)
+    return max(1 << 20, (budget // 4) >> 20 << 20)
+
+
+
+def windows(nbytes: int, tf: Transform | None, chunk: int, window: int,
+            plane_chunks: dict[int, int] | None = None
+            ) -> tuple[tuple[int, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]:
+    """(start, end, chunk offsets, chunk sizes, chunk planes) per window; offsets are relative to
+    the window's transformed stream, which has the same length as the window; planes are the
+    byteplane index of each chunk (-1 without a transform). ``plane_chunks`` overrides the chunk
+    size of some planes. Memoized: a training loop saves the same shapes again and again."""
+    tf_key = (tf.width, tf.block) if tf else None
+    return _windows(nbytes, tf_key, chunk, window, tuple(sorted((plane_chunks or {}).items())))
+
+
+@functools.lru_cache(maxsize=8192)
+def _windows(nbytes: int, tf_key: tuple[int, int] | None, chunk: int, window: int, plane_chunks: tuple):
+    pc = dict(plane_chunks)
+    width, block = tf_key if tf_key else (1, 0)
+    span = block * width if tf_key else chunk
+    step = max(span, window // span * span)
+    out = []
+    for a in range(0, nbytes, step):
+        b = min(nbytes, a + step)
+        offs, sizes, planes = [], [], []
+        words = (b - a) // width
+        seg = 0
+        for start in range(0, words, block) if tf_key else [0]:
+            m = min(block, words - start) if tf_key else b - a
+            for plane in range(width) if tf_key else [-1]:
+                cs = pc.get(plane, chunk)
+                for c in range(0, m, cs):
+                    offs.append(seg + c)
+                    sizes.append(min(cs, m - c))
+                    planes.append(plane)
+                seg += m
+        arrs = []
+        for x in (offs, sizes, planes):
+            arr = np.array(x, dtype=np.int64)
+            arr.flags.writeable = False  # shared by every caller of this memoized layout
+            arrs.append(arr)
+        out.append((a, b, *arrs))
+    return tuple(out)
+
+
+@dataclass
+class Unit:
+    """One window of one storage, planned: what encode_group_arrays compresses."""
+    owner: int
+    data: torch.Tensor
+    plan: Plan
+    offs: list
+    sizes: list
+    planes: list
+    base: int = 0
+
+
+def units_of(owner: int, data: torch.Tensor, plan: Plan, window: int, limit: int | None = None) -> list[Unit]:
+    n = data.numel() if limit is None else min(limit, data.numel())
+    return [Unit(owner, data if a == 0 and b == data.numel() else data[a:b], plan, offs, sizes, planes)
+            for a, b, offs, sizes, planes in windows(n, plan.transform, plan.chunk_size, window, plan.plane_chunks)]
+
+
+def groups(units: list[Unit], window: int, max_chunks: int = 8192) -> Iterator[list[Unit]]:
+    """Consecutive units packed into groups of about ``window`` bytes, so that many small storages
+    share one nvCOMP call (a call costs ~0.5 ms whatever its size)."""
+    cur: list[Unit] = []
+    nbytes = nchunks = 0
+    for u in units:
+        if cur and (nbytes + u.data.numel() > window or nchunks + len(u.sizes) > max_chunks
+                    or u.plan.codec.device != cur[0].plan.codec.device):
+            yield cur
+            cur, nbytes, nchunks = [], 0, 0
+        cur.append(u)
+        nbytes += u.data.numel()
+        nchunks += len(u.sizes)
+    if cur:
+        yield cur
+
+
+
+def codec_key(c: Codec) -> tuple:
+    """Codecs with equal keys share one call (same implementation, same options)."""
+    return (type(c).__name__, repr(sorted(c.config.items())))

@@ -1,0 +1,196 @@
+"""How each storage is encoded: transform, codec, chunking (what ``codec="auto"`` decides).
+
+``auto`` on the CPU: byte planes + zstd for floats, zstd otherwise. On a GPU: zstd (byte planes
+for floats) when ``portable`` or when the storage is slower than GPU zstd; otherwise nvCOMP ANS,
+with the layout (byte planes + byte symbols, or whole 16/32-bit words) picked by compressing a
+sample both ways. For byte planes, a sample also decides which planes are stored raw (they do not
+shrink: low mantissa bytes) and whether the exponent plane does better in smaller chunks (Adam's
+v has exponents that vary locally). Samples of all storages are compressed together, in a few
+batched codec calls.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from ..codecs.base import MAX_CHUNK, Codec, get_codec
+from ..errors import UnknownCodecError
+from ..transforms import BytePlane
+from ..tree import StorageRef
+from .encode import encode_group_arrays
+from .plan import DEFAULT_CHUNK, Plan, Unit, groups, units_of
+
+#: GPU zstd compresses at about 5-8 GB/s; storage slower than this gets zstd on the GPU
+GPU_ZSTD_GBPS = 6.0
+STANDARD = ("zstd", "deflate", "raw")
+_ANS_WORD = {2: "<f2", 4: "<f4"}
+#: a byte plane whose sample shrinks by less than this is stored raw without calling the codec
+RAW_PLANE_RATIO = 0.985
+#: sample bytes per storage for these choices; storages under MIN_SAMPLED are not sampled
+SAMPLE = 4 << 20
+CPU_SAMPLE = 1 << 20  # CPU codecs are slow: sample less
+MIN_SAMPLED = 1 << 20
+MIN_TRANSFORMED = 64 << 10  # on the GPU, smaller float storages skip the byteplane transform
+#: chunk sizes tried for the exponent plane (locally varying exponents, as in Adam's v, favour
+#: small chunks; trained weights favour large ones). Smaller chunks cost nvCOMP throughput, so a
+#: smaller one is taken only when it saves at least MIN_GAIN of the whole storage.
+EXP_CHUNKS = (128 << 10, 64 << 10)
+MIN_GAIN = {128 << 10: 0.0, 64 << 10: 0.004}
+#: ANS encoder option for byte planes: fewer sub-chunks per chunk, less per-chunk overhead
+#: (measured on Adam v's exponent plane: 0.316 at 128 KiB vs 0.321 with nvCOMP's default of 8)
+ANS_PLANES = {"max_sub_chunk_count": 4}
+
+
+_PLAN_CACHE: "OrderedDict[tuple, list[Plan]]" = OrderedDict()
+
+
+def gpu_ok() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from ..codecs.gpu import gpu_available
+    return gpu_available()
+
+
+def byteplane_for(ref: StorageRef, chunk_size: int) -> BytePlane | None:
+    """Byte planes for float storages, in blocks of up to 16 chunks of each plane (at most 16 MiB
+    of storage): big enough that runs of raw planes move in few copies, small enough for windows."""
+    w = ref.float_width
+    if w and ref.data.numel() % w == 0:
+        return BytePlane(w, max(1, min(MAX_CHUNK // w, chunk_size * 16 // w)))
+    return None
+
+
+class Planner:
+    def __init__(self, codec: str | dict = "auto", transform: str | None = "auto",
+                 chunk_size: int = DEFAULT_CHUNK, level: int | None = None, device: str | None = None,
+                 portable: bool = False, storage_gbps: float | None = None) -> None:
+        self.cfg = dict(codec) if isinstance(codec, dict) else {"id": codec}
+        self.auto = self.cfg["id"] == "auto"
+        if portable and not self.auto and self.cfg["id"] not in STANDARD:
+            raise UnknownCodecError(f"codec {self.cfg['id']!r} is not portable; use zstd, deflate or raw")
+        self.transform, self.chunk_size, self.level = transform, chunk_size, level
+        self.dev = device if device in ("cpu", "cuda") else ("cuda" if gpu_ok() else "cpu")
+        self.portable = portable
+        self.slow_storage = storage_gbps is not None and storage_gbps < GPU_ZSTD_GBPS
+        self._codecs: dict = {}
+
+    def codec(self, cfg: dict, local: dict | None = None) -> Codec:
+        key = (repr(sorted(cfg.items())), repr(sorted((local or {}).items())))
+        if key not in self._codecs:
+            self._codecs[key] = get_codec(cfg, self.dev, **(local or {}))
+        return self._codecs[key]
+
+    def base_plan(self, ref: StorageRef) -> tuple[Plan, dict[str, Plan]]:
+        """A storage's plan before sampling, and the variant plans to sample (if any)."""
+        cfg = self.cfg
+        if self.auto:
+            use_ans = self.dev == "cuda" and not self.portable and not self.slow_storage
+            cfg = {"id": "ans" if use_ans else "zstd"}
+        lvl = self.level is not None and cfg["id"] in ("zstd", "deflate") and self.dev == "cpu"
+        local = {"level": self.level} if lvl else {}
+        ans_planes = cfg["id"] == "ans" and "data_type" not in cfg
+        if ans_planes:
+            cfg = {"id": "ans", "data_type": "|u1"}
+            local = ANS_PLANES
+        c = self.codec(cfg, local)
+        want_tf = self.transform == "byteplane" or (self.transform == "auto" and c.wire_id != "raw")
+        tf = byteplane_for(ref, self.chunk_size) if want_tf else None
+        chunk = min(self.chunk_size, c.max_chunk)
+        if self.chunk_size == DEFAULT_CHUNK:
+            chunk = min(chunk, getattr(c, "preferred_chunk", chunk))
+        word = _ANS_WORD.get(tf.width) if tf is not None else None
+        if self.auto and ans_planes and word and ref.data.numel() < MIN_TRANSFORMED:
+            # tiny storages (biases, norms): ANS on whole words compresses them about as well as
+            # byte planes and needs no transform launch of their own
+            return Plan(None, self.codec({"id": "ans", "data_type": word}), chunk), {}
+        if self.auto and cfg["id"] == "ans" and tf is None and ref.elem.startswith("float8"):
+            return Plan(None, self.codec({"id": "ans", "data_type": "|f1"}), chunk), {}
+        plan = Plan(tf, c, chunk)
+        if tf is None or ref.data.numel() < MIN_SAMPLED:
+            return plan, {}
+        top = tf.width - 1
+        variants = {"planes": plan}
+        if c.wire_id == "ans":
+            for ec in EXP_CHUNKS:
+                if ec < chunk:
+                    variants[f"exp{ec}"] = Plan(tf, c, chunk, raw_planes=frozenset(range(top)),
+                                                plane_chunks={top: ec})
+        word = _ANS_WORD.get(tf.width)
+        if self.auto and c.wire_id == "ans" and word:
+            variants["words"] = Plan(None, self.codec({"id": "ans", "data_type": word}), chunk)
+        return plan, variants
+
+    def plan_all(self, refs: list[StorageRef], window: int, reuse: bool = False) -> list[Plan]:
+        """Plans for every storage. With ``reuse``, the sampled decisions are remembered for the
+        same checkpoint layout and options (a training loop saves the same structure again and
+        again, with slowly changing statistics), so only the first save of a run pays for
+        sampling."""
+        if not reuse:
+            return self._plan_all(refs, window)
+        key = (repr(sorted(self.cfg.items())), self.transform, self.chunk_size, self.level, self.dev,
+               self.portable, self.slow_storage, window,
+               tuple((r.data.numel(), r.elem, r.float_width) for r in refs))
+        cached = _PLAN_CACHE.get(key)
+        if cached is not None:
+            _PLAN_CACHE.move_to_end(key)
+            return cached
+        plans = self._plan_all(refs, window)
+        _PLAN_CACHE[key] = plans
+        while len(_PLAN_CACHE) > 8:
+            _PLAN_CACHE.popitem(last=False)
+        return plans
+
+    def _plan_all(self, refs: list[StorageRef], window: int) -> list[Plan]:
+        plans, variants = [], []
+        for ref in refs:
+            p, v = self.base_plan(ref)
+            plans.append(p)
+            variants.append(v)
+        # sample every variant of every storage, all in a few batched codec calls
+        units: list[Unit] = []
+        self.sample = SAMPLE if self.dev == "cuda" else CPU_SAMPLE
+        for i, (ref, var) in enumerate(zip(refs, variants)):
+            for name, vp in var.items():
+                for u in units_of(i, ref.data, vp, window, self.sample):
+                    u.variant = name
+                    units.append(u)
+        stored: dict[tuple[int, str], list[int]] = {}
+        for grp in groups(units, window):
+            enc = encode_group_arrays(grp)
+            k = 0
+            for u, c in zip(grp, enc.counts):
+                acc = stored.setdefault((u.owner, u.variant), [0] * 8)
+                per_plane = np.bincount(np.maximum(u.planes, 0), weights=enc.stored[k:k + c], minlength=8)
+                for p, n in enumerate(per_plane.tolist()):
+                    acc[p] += int(n)
+                k += c
+            del enc  # free this group's GPU buffers before the next is encoded
+        for i, (ref, var) in enumerate(zip(refs, variants)):
+            if var:
+                plans[i] = self._decide(ref, plans[i], var, stored, i)
+        return plans
+
+    def _decide(self, ref: StorageRef, plan: Plan, var: dict, stored: dict, i: int) -> Plan:
+        tf = plan.transform
+        sample = min(ref.data.numel(), self.sample)
+        per_plane = sample // tf.width
+        st = stored[(i, "planes")][: tf.width]
+        plan.raw_planes = frozenset(p for p in range(tf.width) if st[p] > RAW_PLANE_RATIO * per_plane)
+        top = tf.width - 1
+        if top not in plan.raw_planes:
+            for ec in EXP_CHUNKS:
+                got = stored.get((i, f"exp{ec}"))
+                if got is not None and got[top] < st[top] - MIN_GAIN[ec] * sample:
+                    plan.plane_chunks = {top: ec}
+                    st[top] = got[top]
+        planes_bytes = sum(min(x, per_plane) for x in st)
+        if "words" not in var:
+            return plan
+        words_bytes = stored[(i, "words")][0]
+        best = var["words"] if words_bytes < planes_bytes else plan
+        best.choice = (f"ans/{'words' if best is not plan else 'planes'}: sample {planes_bytes / sample:.3f} "
+                       f"planes (raw planes {sorted(plan.raw_planes)}, chunks {plan.plane_chunks or {}}) "
+                       f"vs {words_bytes / sample:.3f} words")
+        return best

@@ -1,0 +1,112 @@
+"""The chunk writer: appends a save's chunks to the file, 16-byte aligned, checksumming and
+writing GPU windows on a background thread while the next window is compressed."""
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+import torch
+
+from ..engine.encode import Encoded, stage_encoded
+from ..engine.memory import ALIGN, PINNED
+from ..format import ROW, checksum
+from .reader import checksums
+
+class ChunkWriter:
+    """Appends chunks at 16-byte aligned offsets (zero padding between) and records their table
+    rows. GPU windows are copied once into pooled pinned buffers and handed to a background thread
+    that checksums and writes them, so the disk write of one window overlaps the compression of
+    the next; at most two windows are in flight."""
+
+    def __init__(self, f, pos: int) -> None:
+        self.f, self.pos, self.rows = f, pos, []
+        self._q: queue.Queue | None = None
+        self._free: queue.Queue = queue.Queue()
+        self._err: BaseException | None = None
+
+    def _place(self, n: int) -> tuple[int, int]:
+        pad = (-self.pos) % ALIGN
+        off = self.pos + pad
+        self.pos = off + n
+        return pad, off
+
+    def add(self, enc: Encoded) -> None:
+        """Append a group's chunks, in order. CPU groups are written at once; GPU ones are packed
+        on the GPU, copied into a pinned buffer and handed to the writer thread."""
+        if not len(enc.stored):
+            return
+        if enc.tensors[0].device.type != "cuda" and self._q is None:
+            block = enc.rows(np.zeros(len(enc.stored), dtype=np.int64))
+            for k, (t, so, ln) in enumerate(zip(enc.src.tolist(), enc.soff.tolist(), enc.stored.tolist())):
+                pad, off = self._place(ln)
+                if pad:
+                    self.f.write(b"\0" * pad)
+                mv = memoryview(enc.tensors[t][so:so + ln].numpy())
+                self.f.write(mv)
+                block[k]["offset"], block[k]["xxh3"] = off, checksum(mv)
+            self.rows.append(block)
+            return
+        self._check()
+        self._start_thread()
+        slot = self._free.get()
+        self._check()
+        host, rel = stage_encoded(enc, PINNED.acquire)
+        self._enqueue((slot, host), host, rel)
+
+    def add_staged(self, host: torch.Tensor, rel: np.ndarray) -> None:
+        """Append a group staged earlier by :func:`stage_encoded` (its buffer is not recycled)."""
+        self._check()
+        self._start_thread()
+        self._enqueue(None, host, rel)
+
+    def _start_thread(self) -> None:
+        if self._q is None:
+            self._q = queue.Queue(maxsize=1)
+            for slot in range(2):
+                self._free.put(slot)
+            self._thread = threading.Thread(target=self._run, name="ckptzip-writer", daemon=True)
+            self._thread.start()
+
+    def _enqueue(self, slot, host: torch.Tensor, rel: np.ndarray) -> None:
+        pad, start = self._place(0)
+        if pad:
+            self._q.put((None, torch.zeros(pad, dtype=torch.uint8), start - pad, None))
+        block = rel.copy()
+        block["offset"] += start
+        self.rows.append(block)
+        self.pos = start + host.numel()
+        self._q.put((slot, host, start, block))
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            slot, host, start, block = item
+            try:
+                if self._err is None:
+                    h = host.numpy()
+                    if block is not None:
+                        rel = (block["offset"] - start).astype(np.int64)
+                        block["xxh3"] = checksums(h, rel.tolist(), block["stored"].astype(np.int64).tolist())
+                    self.f.write(memoryview(h))
+            except BaseException as e:  # surfaced in the main thread
+                self._err = e
+            finally:
+                if slot is not None:  # (flow-control token, pinned buffer to give back)
+                    PINNED.release(slot[1])
+                    self._free.put(slot[0])
+
+    def _check(self) -> None:
+        if self._err is not None:
+            raise self._err
+
+    def finish(self) -> np.ndarray:
+        """Wait for queued windows; returns the chunk table rows."""
+        if self._q is not None:
+            self._q.put(None)
+            self._thread.join()
+            self._q = None
+        self._check()
+        return np.concatenate(self.rows) if self.rows else np.zeros(0, ROW)

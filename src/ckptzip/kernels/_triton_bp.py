@@ -1,0 +1,118 @@
+"""Triton kernels for the byteplane transform on CUDA tensors: one read and one write per byte,
+no temporaries. Same wire format as the torch implementation in transforms/byteplane.py (which CPU tensors
+and machines without Triton use); tests check the two agree."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+_U = {2: (torch.int16, tl.uint16), 4: (torch.int32, tl.uint32), 8: (torch.int64, tl.uint64)}
+TILE = 2048
+
+
+@triton.jit
+def _enc(src, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.constexpr, TILE: tl.constexpr):
+    idx = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    mask = idx < n
+    u = tl.load(src + idx, mask=mask).to(UT, bitcast=True)
+    r = (u << 1) | (u >> (BITS - 1))
+    b = idx // block
+    j = idx - b * block
+    m = tl.minimum(block, n - b * block)
+    base = b * block * W + j
+    for k in tl.static_range(W):
+        tl.store(dst + base + k * m, ((r >> (8 * k)) & 0xFF).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _dec(src, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.constexpr, TILE: tl.constexpr):
+    idx = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    mask = idx < n
+    b = idx // block
+    j = idx - b * block
+    m = tl.minimum(block, n - b * block)
+    base = b * block * W + j
+    r = tl.zeros([TILE], dtype=UT)
+    for k in tl.static_range(W):
+        byte = tl.load(src + base + k * m, mask=mask).to(UT)
+        r = r | (byte << (8 * k))
+    u = (r >> 1) | (r << (BITS - 1))
+    tl.store(dst + idx, u, mask=mask)
+
+
+def encode(src: torch.Tensor, width: int, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    it, ut = _U[width]
+    n = src.numel() // width
+    out = torch.empty_like(src) if out is None else out
+    if n:
+        _enc[(triton.cdiv(n, TILE),)](src.view(it), out, n, block, W=width, BITS=8 * width, UT=ut, TILE=TILE)
+    return out
+
+
+def decode(src: torch.Tensor, dst: torch.Tensor, width: int, block: int) -> None:
+    it, ut = _U[width]
+    n = src.numel() // width
+    if n:
+        d = dst.view(it)
+        _dec[(triton.cdiv(n, TILE),)](src, d, n, block, W=width, BITS=8 * width, UT=ut, TILE=TILE)
+
+
+SEG_TILE = 1 << 18
+
+
+@triton.jit(do_not_specialize=["nseg"])  # a new segment count must not mean a new compile
+def _copy_tiles(src, dst, table, nseg, BLOCK: tl.constexpr, TILE: tl.constexpr, FAST: tl.constexpr):
+    """Program (g, t) copies tile t (TILE bytes) of segment g: dst[d:d+n] = src[s:s+n] and zeros
+    in dst[d+n:d+z], where (s, d, n, z) is column g of ``table`` (4 rows of ``nseg``). Tiles whose
+    offsets are 16-byte aligned (and z a multiple of 4) move 4-byte words, unmasked 16-byte
+    vectors for all full blocks; the others move bytes."""
+    g = tl.program_id(0)  # segments on the axis without CUDA's 65535 limit
+    t = tl.program_id(1).to(tl.int64) * TILE
+    z = tl.load(table + 3 * nseg + g)
+    if t >= z:
+        return
+    s = tl.load(table + g) + t
+    d = tl.load(table + nseg + g) + t
+    n = tl.minimum(tl.maximum(tl.load(table + 2 * nseg + g) - t, 0), TILE)
+    z = tl.minimum(z - t, TILE)
+    if FAST and (s % 16 == 0) & (d % 16 == 0) & (z % 4 == 0):
+        src32 = (src + s).to(tl.pointer_type(tl.int32))
+        dst32 = (dst + d).to(tl.pointer_type(tl.int32))
+        src32 = tl.multiple_of(src32, 16)
+        dst32 = tl.multiple_of(dst32, 16)
+        nw = n // 4
+        zw = z // 4
+        nfull = nw // BLOCK
+        for i in range(0, nfull):
+            w = i * BLOCK + tl.arange(0, BLOCK)
+            tl.store(dst32 + w, tl.load(src32 + w))
+        k = tl.arange(0, 4)
+        tail = tl.load(src + s + nw * 4 + k, mask=k < n - nw * 4, other=0).to(tl.int32)
+        part = tl.sum(tail << (8 * k), axis=0)  # the last partial word, zero-padded
+        for j in range(nfull * BLOCK, zw, BLOCK):
+            w = j + tl.arange(0, BLOCK)
+            v = tl.load(src32 + w, mask=w < nw, other=0)
+            v = tl.where(w == nw, part, v)
+            tl.store(dst32 + w, v, mask=w < zw)
+    else:
+        for i in range(0, z, BLOCK):
+            offs = i + tl.arange(0, BLOCK)
+            tl.store(dst + d + offs, tl.load(src + s + offs, mask=offs < n, other=0), mask=offs < z)
+
+
+def copy_segments(src: torch.Tensor, soffs, dst: torch.Tensor, doffs, lens, ends=None) -> None:
+    """dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]] for all i, and zeros up to ``ends[i]``
+    bytes (default: ``lens``), in one launch over a (segments, tiles) grid: the host only
+    uploads the segment table (an asynchronous copy, without a synchronization). ``soffs`` may point outside
+    ``src`` into other allocations on the same device (offsets relative to ``src``'s first byte),
+    which lets one launch gather from several tensors."""
+    ends = lens if ends is None else ends
+    if not len(lens):
+        return
+    table = np.stack([soffs, doffs, lens, ends]).astype(np.int64, copy=False)
+    t = torch.from_numpy(table).to(src.device, non_blocking=True)  # staged by CUDA at once, no device wait
+    fast = src.data_ptr() % 16 == 0 and dst.data_ptr() % 16 == 0
+    grid = (len(lens), max(1, -(-int(ends.max()) // SEG_TILE)))
+    _copy_tiles[grid](src, dst, t, len(lens), BLOCK=2048, TILE=SEG_TILE, FAST=fast)

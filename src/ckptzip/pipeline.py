@@ -1,0 +1,102 @@
+"""The one save pipeline: prepare -> encode -> (stage) -> write.
+
+:func:`prepare` turns an object into its tree and storages and plans every storage (transform,
+codec, chunking, work groups); :func:`write` encodes each group (or takes the group staged earlier
+by an asynchronous save's snapshot) and writes the file: header, chunks through the chunk writer,
+manifest, footer, atomically. ``ckptzip.save``, ``ckptzip.async_save``, the
+``CheckpointManager`` and the integrations all save through these two functions.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import __version__
+from .codecs.base import MAX_CHUNK
+from .engine import DEFAULT_WINDOW, Planner, encode_group_arrays, gpu_window, groups, units_of
+from .format import FOOTER_SIZE, HEADER_SIZE, pack_footer, pack_header, pack_manifest
+from .io import ChunkWriter
+from .storage import open_for_write
+from .tree import Encoder
+
+Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
+
+
+@dataclass
+class SaveJob:
+    """A save, planned: the object tree, its storages, their plans and the grouped work units."""
+    root: Any
+    meta: dict
+    refs: list
+    plans: list
+    groups: list
+    total: int
+
+
+def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
+             storage_gbps, window, reuse_plan: bool = False) -> SaveJob:
+    if not isinstance(chunk_size, int) or not 64 <= chunk_size <= MAX_CHUNK:
+        raise ValueError(f"chunk_size must be between 64 and {MAX_CHUNK} bytes")
+    if transform not in ("auto", "byteplane", None):
+        raise ValueError("transform must be 'auto', 'byteplane' or None")
+    meta = dict(metadata or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise TypeError("metadata must map str to str")
+    enc = Encoder(allow_pickle=allow_pickle)
+    root = enc.encode(obj)
+    planner = Planner(codec, transform, chunk_size, level, device, portable, storage_gbps)
+    if window is None:
+        window = gpu_window() if planner.dev == "cuda" else DEFAULT_WINDOW
+    plans = planner.plan_all(enc.storages, window, reuse_plan)
+    units = [u for i, (ref, plan) in enumerate(zip(enc.storages, plans))
+             for u in units_of(i, ref.data, plan, window)]
+    return SaveJob(root, meta, enc.storages, plans, list(groups(units, window)),
+                     sum(r.data.numel() for r in enc.storages))
+
+
+def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: list | None = None) -> dict:
+    """Encode (or take the ``staged`` snapshot of) every group and write the file atomically."""
+    counts = [0] * len(prep.plans)
+    with open_for_write(path, fsync=fsync) as f:
+        f.write(pack_header())
+        w = ChunkWriter(f, HEADER_SIZE)
+        try:
+            for gi, grp in enumerate(prep.groups):
+                if staged is not None and staged[gi] is not None:
+                    ent, staged[gi] = staged[gi], None
+                    host, rel, per_unit = ent.fetch() if hasattr(ent, "fetch") else ent
+                    w.add_staged(host, rel)
+                    del ent
+                else:
+                    enc = encode_group_arrays(grp)
+                    w.add(enc)
+                    per_unit = enc.counts
+                    del enc  # free this group's GPU buffers before the next is encoded
+                for u, n in zip(grp, per_unit):
+                    counts[u.owner] += n
+                if progress:
+                    progress(sum(u.data.numel() for u in grp), prep.total)
+        finally:
+            rows = w.finish()
+        entries, first = [], 0
+        for ref, plan, count in zip(prep.refs, prep.plans, counts):
+            entries.append({
+                "nbytes": ref.data.numel(), "elem": ref.elem, "device": ref.device,
+                "transforms": [plan.transform.get_config()] if plan.transform else [],
+                "codec": plan.codec.get_config(), "rows": [first, count],
+            })
+            if plan.choice:
+                entries[-1]["choice"] = plan.choice
+            first += count
+        pos = w.pos
+        doc = {"format": "ckz", "version": [1, 0], "created_by": f"ckptzip {__version__}",
+               "meta": prep.meta, "n_chunks": len(rows), "storages": entries, "root": prep.root}
+        manifest = pack_manifest(doc, rows)
+        f.write(manifest)
+        f.write(pack_footer(pos, manifest))
+        size = pos + len(manifest) + FOOTER_SIZE
+    return {"path": os.fspath(path), "raw_bytes": prep.total, "stored_bytes": size}
+
+

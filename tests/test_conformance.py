@@ -1,0 +1,119 @@
+"""Conformance tests shared by every implementation of the two extension points (numcodecs/zarr
+style). Codecs: each registered (wire id, device) pair that can run here must round-trip, keep its
+wire config through get_config -> get_codec, reject lies, never touch its input, and decode what
+every other implementation of its wire id wrote. Transforms: each registered wire id must invert
+on CPU (and CUDA where present), keep its config, never touch its input, and write the same bytes
+on every device. A new codec or transform is covered by registering it (and, for a transform,
+adding example configs to TRANSFORM_EXAMPLES)."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ckptzip
+from ckptzip.codecs import get_codec, registered
+from ckptzip import transforms
+from conftest import chunks_of, cuda_ok, sample_data
+
+IMPLS = [(w, d) for w, devs in registered().items() for d in devs]
+
+
+def usable(device):
+    return device == "cpu" or cuda_ok()
+
+
+@pytest.mark.parametrize("wire,device", IMPLS, ids=[f"{w}-{d}" for w, d in IMPLS])
+def test_roundtrip_and_input_untouched(wire, device):
+    if not usable(device):
+        pytest.skip("needs a CUDA GPU with nvCOMP")
+    c = get_codec(wire, device)
+    data = sample_data().to(device)
+    before = data.clone()
+    offs, sizes = chunks_of(data, 8192)
+    dst, doffs, dsizes = c.encode(data, offs, sizes)
+    assert torch.equal(data, before)
+    out = torch.zeros_like(data)
+    c.decode(dst, doffs, dsizes, out, offs, sizes)
+    assert torch.equal(out, data)
+    assert c.get_config()["id"] == wire
+
+
+@pytest.mark.parametrize("wire,device", IMPLS, ids=[f"{w}-{d}" for w, d in IMPLS])
+def test_decode_rejects_wrong_declared_size(wire, device):
+    if not usable(device) or wire == "raw":
+        pytest.skip("n/a")
+    c = get_codec(wire, device)
+    data = sample_data(20_000).to(device)
+    offs, sizes = chunks_of(data, 4096)
+    dst, doffs, dsizes = c.encode(data, offs, sizes)
+    out = torch.zeros(data.numel() * 2, dtype=torch.uint8, device=device)
+    with pytest.raises(ckptzip.CodecError):
+        c.decode(dst, doffs, dsizes, out, [o * 2 for o in offs], [s * 2 for s in sizes])
+
+
+CROSS = [w for w, devs in registered().items() if len(devs) > 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wire", CROSS)
+def test_cross_device_bitstreams(wire):
+    g, c = get_codec(wire, "cuda"), get_codec(wire, "cpu")
+    data = sample_data(100_003)
+    offs, sizes = chunks_of(data, 16384)
+    for enc, dec in ((g, c), (c, g)):
+        src = data.to(enc.device)
+        dst, doffs, dsizes = enc.encode(src, offs, sizes)
+        out = torch.zeros(data.numel(), dtype=torch.uint8, device=dec.device)
+        dec.decode(dst.to(dec.device), doffs, dsizes, out, offs, sizes)
+        assert torch.equal(out.cpu(), data)
+
+
+@pytest.mark.parametrize("wire,device", IMPLS, ids=[f"{w}-{d}" for w, d in IMPLS])
+def test_codec_config_round_trip(wire, device):
+    if not usable(device):
+        pytest.skip("needs a CUDA GPU with nvCOMP")
+    c = get_codec(wire, device)
+    again = get_codec(c.get_config(), device)
+    assert again.get_config() == c.get_config() and type(again) is type(c)
+
+
+#: example wire configs per registered transform id (a transform without examples fails below)
+TRANSFORM_EXAMPLES = {
+    "byteplane": [{"id": "byteplane", "width": w, "block": b} for w in (2, 4, 8) for b in (1, 7, 700)],
+}
+DEVICES = ["cpu", "cuda"]
+
+
+def test_every_transform_has_examples():
+    assert set(transforms.registered()) <= set(TRANSFORM_EXAMPLES)
+
+
+@pytest.mark.parametrize("cfg", [c for cs in TRANSFORM_EXAMPLES.values() for c in cs],
+                         ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_transform_config_round_trip(cfg):
+    t = transforms.get_transform(cfg)
+    assert t.get_config() == cfg
+    with pytest.raises(ckptzip.UnknownCodecError):
+        transforms.get_transform({**cfg, "bogus_option": 1})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("wire", sorted(TRANSFORM_EXAMPLES))
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(0, 3000), k=st.integers(0, 100))
+def test_transform_inverts_and_keeps_input(wire, device, n, k):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    cfgs = TRANSFORM_EXAMPLES[wire]
+    t = transforms.get_transform(cfgs[k % len(cfgs)])
+    g = torch.Generator().manual_seed(n * 101 + k)
+    raw = torch.randint(0, 256, (n * 8,), dtype=torch.uint8, generator=g)
+    assert t.accepts(raw.numel())
+    before = raw.clone()
+    enc = t.encode(raw.to(device))
+    assert torch.equal(raw, before) and enc.numel() == raw.numel()
+    if device == "cuda":  # same wire format as the CPU implementation
+        assert torch.equal(enc.cpu(), t.encode(raw))
+    out = torch.empty_like(enc)
+    t.decode(enc, out)
+    assert torch.equal(out.cpu(), raw)
