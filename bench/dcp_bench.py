@@ -1,0 +1,292 @@
+"""Distributed checkpoints: ckptzip's DCP storage writer vs DCP's FileSystemWriter (with and
+without its ZStandard extension) on the same FSDP2 state, side by side in one run.
+
+An FSDP2 (``fully_shard``) GPT is trained for real (bf16 mixed precision, fp32 params, AdamW) on
+text; then its model + optimizer state (``get_state_dict``) is saved and loaded by each method:
+save twice (files fsync'd), load with the page cache dropped, ``dcp.async_save`` stall, stored
+bytes, per-rank peak extra GPU memory and host RSS. ckptzip's load is checked bit-exact against the
+saved state. Any number of GPUs (one rank per GPU, NCCL), or one GPU shared by several ranks
+(``--backend gloo``)::
+
+    torchrun --nproc-per-node 1 bench/dcp_bench.py --steps 50 --out OUT            # one H100
+    torchrun --nproc-per-node 2 bench/dcp_bench.py --steps 200 --out OUT           # two GPUs
+
+Prints a markdown table and writes ``OUT/dcp_bench.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+from gpt import GPT, corpus  # noqa: E402
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def log(*a) -> None:
+    if rank() == 0:
+        print(*a, flush=True)
+
+
+class Peak:
+    """Peak host RSS (sampled every 5 ms) and peak GPU memory above the level at entry."""
+
+    def __enter__(self):
+        self.base_rss = self._rss()
+        self.peak_rss = self.base_rss
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self.base_gpu = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        return self
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _run(self):
+        while not self._stop.wait(0.005):
+            self.peak_rss = max(self.peak_rss, self._rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak_rss = max(self.peak_rss, self._rss())
+        self.rss_mib = (self.peak_rss - self.base_rss) / 2**20
+        self.gpu_mib = 0.0
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self.gpu_mib = (torch.cuda.max_memory_allocated() - self.base_gpu) / 2**20
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def drop_caches():
+    barrier()
+    if rank() == 0:
+        os.system("sync")
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+        except OSError as e:
+            log(f"(page cache not dropped: {e})")
+    barrier()
+
+
+def du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _d, fs in os.walk(path) for f in fs)
+
+
+def train(steps: int, d: int, layers: int, heads: int, ctx: int, batch: int, dev: torch.device):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    torch.manual_seed(0)
+    model = GPT(d=d, layers=layers, heads=heads, ctx=ctx).to(dev)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for blk in model.blocks:
+        fully_shard(blk, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95))
+    text = corpus().to(dev)
+    g = torch.Generator().manual_seed(1 + rank())
+    t0 = time.time()
+    for step in range(steps):
+        ix = torch.randint(0, text.numel() - ctx - 1, (batch,), generator=g).to(dev)
+        seq = text[ix[:, None] + torch.arange(ctx + 1, device=dev)].long()
+        for grp in opt.param_groups:
+            grp["lr"] = 3e-4 * min(1.0, (step + 1) / 20)
+        loss = torch.nn.functional.cross_entropy(model(seq[:, :-1]).float().reshape(-1, 256), seq[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 25 == 0 or step == steps - 1:
+            log(f"step {step} loss {loss.item():.3f} ({time.time() - t0:.0f} s)")
+    return model, opt
+
+
+def local_tensors(sd, out=None):
+    """Every tensor's local data (a DTensor's shard), in a stable order."""
+    from torch.distributed.tensor import DTensor
+    out = [] if out is None else out
+    if isinstance(sd, dict):
+        for k in sorted(sd, key=str):
+            local_tensors(sd[k], out)
+    elif isinstance(sd, (list, tuple)):
+        for v in sd:
+            local_tensors(v, out)
+    elif isinstance(sd, DTensor):
+        out.append(sd.to_local())
+    elif isinstance(sd, torch.Tensor):
+        out.append(sd)
+    return out
+
+
+def clone_state(sd):
+    from torch.distributed.tensor import DTensor
+    if isinstance(sd, dict):
+        return {k: clone_state(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [clone_state(v) for v in sd]
+    if isinstance(sd, DTensor):
+        return DTensor.from_local(torch.zeros_like(sd.to_local()), sd.device_mesh, sd.placements,
+                                  shape=sd.shape, stride=sd.stride())
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros_like(sd)
+    return sd
+
+
+def methods(args):
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    out = {
+        "DCP FileSystemWriter": (lambda p: FileSystemWriter(p), lambda p: FileSystemReader(p)),
+    }
+    try:
+        from torch.distributed.checkpoint._extension import ZStandard
+        import zstandard  # noqa: F401
+        out["DCP + ZStandard"] = (lambda p: FileSystemWriter(p, _extensions=[ZStandard()]),
+                                  lambda p: FileSystemReader(p))
+    except Exception as e:  # noqa: BLE001
+        log(f"(DCP ZStandard extension unavailable: {e})")
+    import ckptzip.dcp as cz
+    out["ckptzip dcp.Writer"] = (lambda p: cz.Writer(p), lambda p: cz.Reader(p))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=50, help="training steps before saving (default 50)")
+    ap.add_argument("--d", type=int, default=2048, help="model width (default 2048: 1.2 B params with 24 layers)")
+    ap.add_argument("--layers", type=int, default=24, help="transformer blocks (default 24)")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
+    ap.add_argument("--disk", default="/tmp/dcp_bench", help="directory the checkpoints go to")
+    ap.add_argument("--backend", default=None, help="nccl (one GPU per rank, default) or gloo")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where dcp_bench.json goes")
+    ap.add_argument("--reps", type=int, default=2, help="saves per method (default 2)")
+    a = ap.parse_args()
+    backend = a.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend)
+    lr = int(os.environ.get("LOCAL_RANK", 0))
+    ngpu = torch.cuda.device_count()
+    dev = torch.device("cuda", lr % ngpu) if ngpu else torch.device("cpu")
+    if ngpu:
+        torch.cuda.set_device(dev)
+    model, opt = train(a.steps, a.d, a.layers, a.heads, a.ctx, a.batch, dev)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    params = sum(p.numel() for p in model.parameters())
+    mine = local_tensors(state)
+    raw_local = sum(t.numel() * t.element_size() for t in mine)
+    raw = torch.tensor([raw_local], device=dev if backend == "nccl" else "cpu")
+    dist.all_reduce(raw)
+    raw = int(raw.item())
+    log(f"params {params / 1e9:.3f} B, state {raw / 1e9:.2f} GB over {dist.get_world_size()} ranks")
+    res = {"info": {"params": params, "raw_bytes": raw, "world_size": dist.get_world_size(),
+                    "device": torch.cuda.get_device_name(dev) if ngpu else "cpu", "torch": torch.__version__,
+                    "steps": a.steps, "date": time.strftime("%Y-%m-%d")}, "methods": {}}
+    for name, (mk_w, mk_r) in methods(a).items():
+        r = {"save_s": [], "save_gpu_mib": [], "save_rss_mib": []}
+        path = os.path.join(a.disk, name.replace(" ", "_").replace("+", "p").replace(".", ""))
+        for rep in range(a.reps):
+            if rank() == 0:
+                shutil.rmtree(path, ignore_errors=True)
+            barrier()
+            if ngpu:
+                torch.cuda.synchronize()
+            with Peak() as pk:
+                t = time.perf_counter()
+                dcp.save(state, storage_writer=mk_w(path))
+                barrier()
+                r["save_s"].append(time.perf_counter() - t)
+            r["save_gpu_mib"].append(pk.gpu_mib)
+            r["save_rss_mib"].append(pk.rss_mib)
+        r["bytes"] = du(path) if rank() == 0 else None
+        drop_caches()
+        target = clone_state(state)
+        with Peak() as pk:
+            t = time.perf_counter()
+            dcp.load(target, storage_reader=mk_r(path))
+            if ngpu:
+                torch.cuda.synchronize()
+            barrier()
+            r["load_s"] = time.perf_counter() - t
+        r["load_gpu_mib"], r["load_rss_mib"] = pk.gpu_mib, pk.rss_mib
+        got = local_tensors(target)
+        exact = all(torch.equal(x.view(torch.uint8) if x.dtype != torch.bool else x,
+                                y.view(torch.uint8) if y.dtype != torch.bool else y)
+                    for x, y in zip(mine, got)) and len(mine) == len(got)
+        flag = torch.tensor([int(exact)], device=dev if backend == "nccl" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        r["bit_exact"] = bool(flag.item())
+        del target, got
+        # async: the stall is the time dcp.async_save blocks the caller
+        if rank() == 0:
+            shutil.rmtree(path + "_async", ignore_errors=True)
+        barrier()
+        stalls = []
+        for rep in range(a.reps):
+            with Peak() as pk:
+                if ngpu:
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                fut = dcp.async_save(state, storage_writer=mk_w(path + f"_async{rep}"))
+                if ngpu:
+                    torch.cuda.current_stream().synchronize()
+                stalls.append(time.perf_counter() - t)
+                fut.result()
+                barrier()
+            r.setdefault("async_gpu_mib", []).append(pk.gpu_mib)
+            r.setdefault("async_rss_mib", []).append(pk.rss_mib)
+        r["async_stall_s"] = stalls
+        if rank() == 0:
+            for rep in range(a.reps):
+                shutil.rmtree(path + f"_async{rep}", ignore_errors=True)
+        r["ratio"] = r["bytes"] / raw if r["bytes"] else None
+        res["methods"][name] = r
+        log(name, json.dumps(r))
+    if rank() == 0:
+        base = res["methods"]["DCP FileSystemWriter"]
+        lines = ["| method | ratio | save s (2 runs) | load s | async stall s | peak extra GPU MiB (save) | peak extra RSS MiB (save / async) | bit-exact |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for name, r in res["methods"].items():
+            lines.append(f"| {name} | {r['ratio']:.4f} | {' / '.join(f'{x:.2f}' for x in r['save_s'])} | "
+                         f"{r['load_s']:.2f} | {statistics.median(r['async_stall_s']):.3f} | "
+                         f"{max(r['save_gpu_mib']):.0f} | {max(r['save_rss_mib']):.0f} / {max(r['async_rss_mib']):.0f} | "
+                         f"{r['bit_exact']} |")
+        cz = res["methods"]["ckptzip dcp.Writer"]
+        lines.append("")
+        lines.append(f"ckptzip vs DCP: save {min(cz['save_s']) / min(base['save_s']):.2f}x, load "
+                     f"{cz['load_s'] / base['load_s']:.2f}x, async stall "
+                     f"{statistics.median(cz['async_stall_s']) / statistics.median(base['async_stall_s']):.3f}x")
+        print("\n".join(lines), flush=True)
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "dcp_bench.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
