@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .codecs.base import MAX_CHUNK
-from .errors import UnknownCodecError
+from .errors import CorruptFileError, UnknownCodecError
 
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -157,12 +157,16 @@ def _np_decode(src: np.ndarray, dst: np.ndarray, w: int, b: int) -> None:
 
 def get_transform(config: Any):
     if not isinstance(config, dict) or not isinstance(config.get("id"), str):
-        raise UnknownCodecError(f"malformed transform config {config!r}")
+        raise UnknownCodecError(f"malformed transform config {str(config)[:200]}")
     tid = config["id"]
     if tid == "byteplane":
         width, block = config.get("width"), config.get("block")
         if set(config) - {"id", "width", "block"}:
-            raise UnknownCodecError(f"byteplane: unknown options in {config!r}")
+            raise UnknownCodecError(f"byteplane: unknown options in {str(config)[:200]}")
+        # JSON integers only: 2.0 == 2 and True == 1 in Python, but neither is a valid value
+        if type(width) is not int or type(block) is not int:
+            raise CorruptFileError(f"byteplane: width and block must be integers, got "
+                                   f"{type(width).__name__} and {type(block).__name__}")
         return BytePlane(width, block)
     if tid in RESERVED:
         raise UnknownCodecError(f"transform {tid!r} is reserved by format v1 and not supported by "
