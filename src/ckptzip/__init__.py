@@ -2,7 +2,8 @@
 __version__ = "0.1.0"
 
 from .errors import (ChecksumError, CkptzipError, CodecError, CorruptFileError,  # noqa: E402
-                     GPURequiredError, PickleNotAllowedError, TensorNotFoundError,
+                     GPURequiredError, NotARegularFileError, PickleNotAllowedError,
+                     ResourceLimitError, TensorNotFoundError,
                      TruncatedFileError, UnknownCodecError, UnsupportedObjectError,
                      UnsupportedVersionError)
 from .api import CheckpointReader, load, open, save  # noqa: E402,A004
@@ -13,5 +14,6 @@ __all__ = [
     "save", "load", "open", "CheckpointReader", "async_save", "SaveHandle", "CheckpointManager",
     "CkptzipError", "CorruptFileError", "TruncatedFileError", "ChecksumError",
     "UnsupportedVersionError", "UnknownCodecError", "CodecError", "GPURequiredError",
-    "PickleNotAllowedError", "UnsupportedObjectError", "TensorNotFoundError",
+    "PickleNotAllowedError", "UnsupportedObjectError", "TensorNotFoundError", "ResourceLimitError",
+    "NotARegularFileError",
 ]

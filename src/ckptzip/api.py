@@ -1,6 +1,7 @@
 """Public API: ``save``, ``load`` and the lazy reader ``open``."""
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -11,13 +12,15 @@ import torch
 from . import __version__  # noqa: F401  (the CLI reads it from here)
 from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, Job, decode_jobs, gpu_decode_window, gpu_ok,
                      storage_plan_from_manifest)
-from .errors import CorruptFileError, TensorNotFoundError
+from .errors import CorruptFileError, GPURequiredError, ResourceLimitError, TensorNotFoundError
 from .format import FOOTER_SIZE, HEADER_SIZE, check_header, parse_footer, parse_manifest
 from .pipeline import prepare, write
-from .storage import RemoteSource, is_url, local_path, pread_into
-from .tree import Decoder, tensor_paths
+from .storage import (FileObjectSource, RemoteSource, is_file_object, is_url, local_path, open_regular,
+                      pread_into)
+from .tree import Decoder, tensor_keys
 
 Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
+_VERIFY_BATCH = 256 << 20  # decoded bytes per verify batch
 
 
 def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", transform: str | None = "auto",
@@ -40,38 +43,91 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
     return write(prep, path, fsync, progress)
 
 
+def _check_target(dev: torch.device, map_location: Any) -> torch.device:
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"map_location={map_location!r} gives device {dev}; ckptzip loads to cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise GPURequiredError(
+            f"map_location={map_location!r} asks for {dev}, but CUDA is not available on this machine "
+            f"(torch.cuda.is_available() is False); load with map_location='cpu'")
+    return dev
+
+
 def _resolve_device(saved: str, map_location: Any) -> torch.device:
+    """Where a storage saved on ``saved`` (a validated device string) goes. ``saved`` only
+    steers placement: without ``map_location`` a CUDA storage on a machine without CUDA loads to
+    the CPU. An explicit ``map_location`` that names CUDA without CUDA is an error, as in
+    ``torch.load``. A callable gets here only in its legacy one-argument form."""
     if map_location is None:
         dev = torch.device(saved)
         if dev.type == "cuda" and not torch.cuda.is_available():
             return torch.device("cpu")
         return dev
     if isinstance(map_location, Mapping):
-        return torch.device(map_location.get(saved, saved))
+        target = map_location.get(saved, saved)
+        if target == saved:
+            return _resolve_device(saved, None)
+        return _check_target(torch.device(target), map_location)
     if callable(map_location):
-        return torch.device(map_location(saved))
-    return torch.device(map_location)
+        return _check_target(torch.device(map_location(saved)), map_location)
+    return _check_target(torch.device(map_location), map_location)
+
+
+def _torch_style(fn: Any) -> bool:
+    """Whether a ``map_location`` callable takes torch.load's ``(storage, location)``; a callable
+    that accepts exactly one positional argument is the legacy ckptzip form ``fn(location)``."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2
+
+
+#: default resource bound (see docs/format.md, *Resource bounds*): a file may declare at most
+#: max(DEFAULT_MIN_BYTES, DEFAULT_EXPANSION x its size) of decoded storage bytes
+DEFAULT_EXPANSION = 4096
+DEFAULT_MIN_BYTES = 1 << 30
 
 
 class CheckpointReader:
     """Lazy reader over one .ckz file: keys, metadata and single tensors without reading the rest.
 
     Use as a context manager: ``with ckptzip.open(path) as r: w = r.get_tensor("model.fc.weight")``.
+    ``path`` is a local path, an fsspec URL or a binary file object open for reading (with
+    ``read`` and ``seek``; it is not closed). ``max_bytes`` bounds the decoded bytes one call
+    may allocate (``load``/``verify``: all storages; ``get_tensor``: its storage); the default
+    is ``max(1 GiB, 4096 x the file size)``; a file that declares more raises
+    :class:`~ckptzip.ResourceLimitError` before anything is allocated.
     """
 
-    def __init__(self, path: str | os.PathLike, *, map_location: Any = None, allow_pickle: bool = False,
-                 progress: Progress | None = None, decode_device: str | None = None) -> None:
-        self.path = os.fspath(path)
+    def __init__(self, path: Any, *, map_location: Any = None, allow_pickle: bool = False,
+                 progress: Progress | None = None, decode_device: str | None = None,
+                 max_bytes: int | None = None) -> None:
+        self._fd = None
+        if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool)
+                                      or max_bytes < 0):
+            raise ValueError("max_bytes must be a non-negative int or None")
         self.decode_device = decode_device  # "cpu"/"cuda" forces where chunks are decoded
         self.map_location = map_location
         self.allow_pickle = allow_pickle
         self.progress = progress
-        self._remote = is_url(self.path)
-        self._fd = RemoteSource(self.path) if self._remote else os.open(local_path(self.path), os.O_RDONLY)
+        self._max_bytes = max_bytes
+        if is_file_object(path):
+            self.path = str(getattr(path, "name", "<file object>"))
+            self._remote = True  # positional reads go through the source object
+            self._fd = FileObjectSource(path)
+        else:
+            self.path = os.fspath(path)
+            self._remote = is_url(self.path)
+            self._fd = RemoteSource(self.path) if self._remote else open_regular(local_path(self.path))
         try:
             self._open()
         except BaseException:
             self._fd.close() if self._remote else os.close(self._fd)
+            self._fd = None
             raise
         self._cache: dict[int, torch.Tensor] = {}
 
@@ -91,6 +147,21 @@ class CheckpointReader:
         self.manifest = parse_manifest(bytes(raw), digest, off)
         self.file_size = size
         self._paths: dict[str, Any] | None = None
+        self._escaped: dict[str, Any] = {}
+
+    @property
+    def max_bytes(self) -> int:
+        """The decoded-bytes limit in force (``max_bytes`` or the default for this file)."""
+        if self._max_bytes is not None:
+            return self._max_bytes
+        return max(DEFAULT_MIN_BYTES, DEFAULT_EXPANSION * self.file_size)
+
+    def _check_budget(self, nbytes: int, what: str) -> None:
+        if nbytes > self.max_bytes:
+            raise ResourceLimitError(
+                f"{what} declares {nbytes} decoded bytes, more than max_bytes={self.max_bytes} "
+                f"(default: max(1 GiB, {DEFAULT_EXPANSION} x the file's {self.file_size} bytes)); "
+                f"if you trust this file, pass a larger max_bytes to load/open")
 
     # -- metadata ---------------------------------------------------------------------------
     @property
@@ -103,15 +174,22 @@ class CheckpointReader:
 
     def _tensor_nodes(self) -> dict[str, Any]:
         if self._paths is None:
-            self._paths = tensor_paths(self.manifest.doc["root"])
+            self._paths, self._escaped = tensor_keys(self.manifest.doc["root"])
         return self._paths
 
+    def _node(self, key: str) -> Any:
+        node = self._tensor_nodes().get(key)
+        return self._escaped.get(key) if node is None else node
+
     def keys(self) -> list[str]:
-        """Dotted paths of every tensor and numpy array in the checkpoint."""
+        """Keys of every tensor and numpy array: dotted paths (``"model.fc.weight"``), except
+        for tensors whose dotted path another tensor shares (keys ``1`` and ``"1"``, or ``"a.b"``
+        and ``{"a": {"b": ...}}``), which are listed by their escaped key, the path as a JSON
+        array (``'["a.b"]'``, ``'[1]'``). :meth:`get_tensor` accepts either form."""
         return list(self._tensor_nodes())
 
     def __contains__(self, key: str) -> bool:
-        return key in self._tensor_nodes()
+        return self._node(key) is not None
 
     def stored_bytes(self, index: int) -> int:
         first, count = self.storages[index]["rows"]
@@ -126,25 +204,58 @@ class CheckpointReader:
 
     def _job(self, i: int, t: str = "tensor") -> Job:
         s = self.storages[i]
-        dev = _resolve_device(s.get("device", "cpu") if t == "tensor" else "cpu",
-                              self.map_location if t == "tensor" else "cpu")
+        ml = self.map_location if t == "tensor" else "cpu"
+        if callable(ml) and not isinstance(ml, Mapping) and _torch_style(ml):
+            dev = torch.device("cpu")  # decoded on the host, then handed to ml(storage, location)
+        else:
+            dev = _resolve_device(s.get("device", "cpu") if t == "tensor" else "cpu", ml)
         work = self.decode_device or ("cuda" if dev.type == "cuda" or gpu_ok() else "cpu")
         tf, codec = storage_plan_from_manifest(s, work)
         first, count = s["rows"]
         out = torch.empty(s["nbytes"], dtype=torch.uint8, device=dev)
         return Job(self.manifest.rows[first:first + count], tf, codec, out)
 
-    def _decode(self, jobs: dict[int, Job]) -> None:
-        total = self._total_bytes()
+    def _mapped(self, i: int, out: torch.Tensor) -> torch.Tensor:
+        """torch.load's convention: ``map_location(storage, location)`` gets the storage
+        restored on the CPU and its saved location string and returns the storage to use (its
+        device decides), or None for the default placement."""
+        loc = self.storages[i].get("device", "cpu")
+        r = self.map_location(out.untyped_storage(), loc)
+        if r is None:
+            return out.to(_resolve_device(loc, None))
+        if isinstance(r, torch.TypedStorage):
+            r = r.untyped()
+        if isinstance(r, torch.UntypedStorage):
+            r = torch.empty(0, dtype=torch.uint8, device=r.device).set_(r)
+        if not isinstance(r, torch.Tensor):
+            raise TypeError(f"map_location returned {type(r).__name__}; expected a storage, a tensor or None")
+        r = r.detach().contiguous().view(-1).view(torch.uint8)
+        if r.numel() != out.numel():
+            raise ValueError(f"map_location returned {r.numel()} bytes for a storage of {out.numel()}")
+        return r
+
+    def _decode(self, jobs: dict[int, Job], total: int | None = None) -> None:
+        total = self._total_bytes() if total is None else total
         prog = (lambda n: self.progress(n, total)) if self.progress else None
         gpu = any(j.codec.device == "cuda" for j in jobs.values())
         decode_jobs(self._fd, list(jobs.values()), gpu_decode_window() if gpu else DEFAULT_WINDOW, prog)
         self._cache.update({i: j.out for i, j in jobs.items()})
 
+    def _place(self, kinds: dict[int, str]) -> None:
+        """Hand decoded tensor storages to a torch-style ``map_location`` callable."""
+        ml = self.map_location
+        if callable(ml) and not isinstance(ml, Mapping) and _torch_style(ml):
+            for i, t in kinds.items():
+                if t == "tensor" and i in self._cache:
+                    self._cache[i] = self._mapped(i, self._cache[i])
+
     def _storage(self, node: dict[str, Any]) -> torch.Tensor:
         i = self._storage_index(node)
         if i not in self._cache:
-            self._decode({i: self._job(i, node.get("t", "tensor"))})
+            self._check_budget(self.storages[i]["nbytes"], f"storage {i}")
+            t = node.get("t", "tensor")
+            self._decode({i: self._job(i, t)})
+            self._place({i: t})
         return self._cache[i]
 
     def _prefetch_all(self) -> None:
@@ -154,15 +265,17 @@ class CheckpointReader:
         for n in self._tensor_nodes().values():
             if type(n.get("s")) is int:
                 kinds.setdefault(n["s"], n["t"])
-        jobs = {i: self._job(i, t) for i, t in sorted(kinds.items()) if 0 <= i < len(self.storages)}
-        self._decode(jobs)
+        kinds = {i: t for i, t in sorted(kinds.items()) if 0 <= i < len(self.storages)}
+        self._check_budget(sum(self.storages[i]["nbytes"] for i in kinds), "the checkpoint")
+        self._decode({i: self._job(i, t) for i, t in kinds.items()})
+        self._place(kinds)
 
     def _total_bytes(self) -> int:
-        return sum(s["nbytes"] for s in self.storages)
+        return self.manifest.total_nbytes
 
     def get_tensor(self, key: str) -> Any:
         """One tensor (or numpy array) by dotted key, reading only its own chunks."""
-        node = self._tensor_nodes().get(key)
+        node = self._node(key)
         if node is None:
             raise TensorNotFoundError(key)
         return Decoder(self._storage, self.allow_pickle).decode(node)
@@ -175,13 +288,25 @@ class CheckpointReader:
         return obj
 
     def verify(self) -> None:
-        """Decode every storage (checking every checksum); raises on the first failure."""
+        """Decode every storage (checking every checksum); raises on the first failure.
+
+        One pipelined pass in file order, in batches of about 256 MiB of decoded bytes (at least
+        one storage) whose results are dropped: linear in the number of storages."""
+        total = self._total_bytes()
+        self._check_budget(total, "the checkpoint")
+        batch: dict[int, Job] = {}
+        size = 0
         for i in range(len(self.storages)):
-            self._decode({i: self._job(i, "ndarray")})
-            self._cache.pop(i, None)
+            batch[i] = self._job(i, "ndarray")
+            size += self.storages[i]["nbytes"]
+            if size >= _VERIFY_BATCH or i == len(self.storages) - 1:
+                self._decode(batch, total)
+                for j in batch:
+                    self._cache.pop(j, None)
+                batch, size = {}, 0
 
     def close(self) -> None:
-        if self._fd is None:
+        if getattr(self, "_fd", None) is None:
             return
         if self._remote:
             self._fd.close()
@@ -202,16 +327,26 @@ class CheckpointReader:
             pass
 
 
-def open(path: str | os.PathLike, **kwargs: Any) -> CheckpointReader:  # noqa: A001
-    """Open a checkpoint lazily (see :class:`CheckpointReader`)."""
+def open(path: Any, **kwargs: Any) -> CheckpointReader:  # noqa: A001
+    """Open a checkpoint lazily (see :class:`CheckpointReader`); ``path`` may be a binary file
+    object."""
     return CheckpointReader(path, **kwargs)
 
 
-def load(path: str | os.PathLike, *, map_location: Any = None, allow_pickle: bool = False,
-         progress: Progress | None = None, decode_device: str | None = None) -> Any:
-    """Load what :func:`save` wrote. Tensors come back bit-exact, on their saved device unless
-    ``map_location`` (``"cpu"``, ``"cuda"``, a ``torch.device``, a dict or a callable) says
-    otherwise. Pickled objects load only with ``allow_pickle=True``."""
+def load(path: Any, *, map_location: Any = None, allow_pickle: bool = False,
+         progress: Progress | None = None, decode_device: str | None = None,
+         max_bytes: int | None = None) -> Any:
+    """Load what :func:`save` wrote from ``path`` (a local path, an fsspec URL, or a binary file
+    object with ``read`` and ``seek``, left open). Tensors come back bit-exact, on their saved
+    device unless ``map_location`` says otherwise: ``"cpu"``, ``"cuda"``, a ``torch.device``, a
+    dict mapping saved locations to new ones, or a callable ``fn(storage, location)`` as in
+    ``torch.load`` (it gets each storage restored on the CPU and its saved location string, e.g.
+    ``"cuda:0"``, and returns the storage to use, or None for the default placement; a callable
+    of one argument is called as ``fn(location)`` and returns a device). A saved CUDA location
+    loads to the CPU on a machine without CUDA; an explicit CUDA ``map_location`` there raises
+    :class:`~ckptzip.GPURequiredError`. ``max_bytes`` bounds the decoded bytes (default
+    ``max(1 GiB, 4096 x file size)``, see :class:`CheckpointReader`). Pickled objects load only
+    with ``allow_pickle=True``."""
     with CheckpointReader(path, map_location=map_location, allow_pickle=allow_pickle,
-                          progress=progress, decode_device=decode_device) as r:
+                          progress=progress, decode_device=decode_device, max_bytes=max_bytes) as r:
         return r.load()

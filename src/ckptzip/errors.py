@@ -42,6 +42,16 @@ class UnsupportedObjectError(CkptzipError, TypeError):
     """``save`` met an object it cannot store without pickle (pass ``allow_pickle=True``)."""
 
 
+class ResourceLimitError(CorruptFileError):
+    """The file declares more decoded bytes than the reader's ``max_bytes`` limit allows (see
+    *Resource bounds* in docs/format.md). Pass a larger ``max_bytes`` to ``load``/``open`` if you
+    trust the file."""
+
+
+class NotARegularFileError(CkptzipError):
+    """The checkpoint path names a directory, FIFO, socket or device, not a regular file."""
+
+
 class TensorNotFoundError(CkptzipError, KeyError):
     """The lazy reader was asked for a key that the checkpoint does not hold."""
 
@@ -58,4 +68,6 @@ __all__ = [
     "PickleNotAllowedError",
     "UnsupportedObjectError",
     "TensorNotFoundError",
+    "ResourceLimitError",
+    "NotARegularFileError",
 ]

@@ -15,6 +15,7 @@ import xxhash
 from .codecs.base import MAX_CHUNK
 from .errors import (ChecksumError, CorruptFileError, TruncatedFileError,
                      UnsupportedVersionError)
+from .validate import MAX_DEPTH, load_document, validate_document
 
 MAGIC = b"CKPTZIP\x00"
 FOOTER_MAGIC = b"CKZ1END\x00"
@@ -29,7 +30,6 @@ FLAG_STORED_RAW = 1
 #: limits that keep a hostile manifest from steering allocations or recursion
 MAX_MANIFEST = 1 << 30
 MAX_STORAGE_BYTES = 1 << 50
-MAX_DEPTH = 200
 
 
 def checksum(data) -> int:
@@ -77,6 +77,7 @@ class Manifest:
     doc: dict[str, Any]
     rows: np.ndarray          # structured ROW array
     data_end: int             # first byte after the data section (= manifest offset)
+    total_nbytes: int = 0     # sum of every storage's declared nbytes
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -93,10 +94,7 @@ def parse_manifest(raw: bytes, digest: int, data_end: int) -> Manifest:
         raise ChecksumError("manifest checksum mismatch")
     (jlen,) = struct.unpack_from("<I", raw)
     _need(4 + jlen <= len(raw), "JSON length beyond the manifest")
-    try:
-        doc = json.loads(raw[4:4 + jlen].decode("utf-8"))
-    except (ValueError, RecursionError) as e:
-        raise CorruptFileError(f"manifest JSON does not parse: {e}") from None
+    doc = load_document(raw[4:4 + jlen])
     _need(isinstance(doc, dict), "top level is not an object")
     ver = doc.get("version")
     _need(isinstance(ver, list) and len(ver) == 2 and all(_is_int(v) for v in ver), "version")
@@ -136,4 +134,6 @@ def parse_manifest(raw: bytes, digest: int, data_end: int) -> Manifest:
         used[sl] = True
         _need(int(rows["raw"][sl].astype(np.uint64).sum()) == nb, f"storage {i} chunk sizes do not add up")
     _need("root" in doc, "root")
-    return Manifest(doc, rows, data_end)
+    # the one validation pass over every field a reader uses (validate.py)
+    total = validate_document(doc, n)
+    return Manifest(doc, rows, data_end, total)

@@ -97,6 +97,7 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
         f.write(manifest)
         f.write(pack_footer(pos, manifest))
         size = pos + len(manifest) + FOOTER_SIZE
-    return {"path": os.fspath(path), "raw_bytes": prep.total, "stored_bytes": size}
+    name = getattr(path, "name", "<file object>") if hasattr(path, "write") else os.fspath(path)
+    return {"path": name, "raw_bytes": prep.total, "stored_bytes": size}
 
 

@@ -3,13 +3,42 @@ bounds-checked positional reads."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import stat
 import tempfile
 import threading
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from .errors import TruncatedFileError
+from .errors import NotARegularFileError, TruncatedFileError
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: str) -> int:
+    """An O_RDONLY descriptor of the regular file ``path``. The open is non-blocking (a FIFO
+    with no writer must not hang it) and anything but a regular file (directory, FIFO, socket,
+    device) is refused with NotARegularFileError; missing files raise FileNotFoundError."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotARegularFileError(f"{path!r} is {_kind(st.st_mode)}, not a checkpoint file")
+        fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fl & ~getattr(os, "O_NONBLOCK", 0))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _fsync_dir(path: str) -> None:
@@ -133,11 +162,76 @@ class RemoteSource:
         self.f.close()
 
 
+class FileObjectSource:
+    """Positional reads over a caller's binary file object (anything with ``read``/``readinto``
+    and ``seek``, e.g. ``io.BytesIO`` or ``open(p, "rb")``). Serialised; never closes it."""
+
+    def __init__(self, f) -> None:
+        self.f = f
+        self._lock = threading.Lock()
+        self._start = f.tell() if hasattr(f, "tell") else 0
+        self.size = f.seek(0, os.SEEK_END) - self._start
+        f.seek(self._start)
+
+    def pread_into(self, buf: memoryview, offset: int) -> None:
+        with self._lock:
+            self.f.seek(self._start + offset)
+            got = 0
+            readinto = getattr(self.f, "readinto", None)
+            while got < len(buf):
+                if readinto is not None:
+                    k = readinto(buf[got:])
+                else:
+                    part = self.f.read(len(buf) - got)
+                    k = len(part) if part else 0
+                    buf[got:got + k] = part or b""
+                if not k:
+                    raise TruncatedFileError(f"file ends inside a declared range at offset {offset + got}")
+                got += k
+
+    def close(self) -> None:
+        pass  # the caller's file stays open
+
+
+def is_file_object(x) -> bool:
+    """A binary file object a checkpoint can be read from (``read`` and ``seek``)."""
+    return hasattr(x, "read") and hasattr(x, "seek") and not isinstance(x, (str, bytes, os.PathLike))
+
+
+class _Unclosed:
+    """The caller's writable file object, with ``close`` made a no-op (flush instead)."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+
+    def write(self, b) -> int:
+        n = self._f.write(b)
+        return len(memoryview(b)) if n is None else n
+
+    def close(self) -> None:
+        self.flush()
+
+    def flush(self) -> None:
+        fl = getattr(self._f, "flush", None)
+        if fl is not None:
+            fl()
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
 @contextlib.contextmanager
 def open_for_write(path, fsync: bool = True) -> Iterator[BinaryIO]:
     """A file to write a checkpoint to: for local paths an :func:`atomic_write`; for fsspec URLs
     the object itself, which object stores make visible only when the upload completes (multipart
-    for large objects) and which is discarded, not committed, if writing fails."""
+    for large objects) and which is discarded, not committed, if writing fails. A caller's file
+    object (anything with ``write``) is written to where it stands and left open: no temporary
+    file, no rename, and a failed save leaves what was written so far."""
+    if hasattr(path, "write") and not isinstance(path, (str, bytes, os.PathLike)):
+        f = _Unclosed(path)
+        yield f
+        f.flush()
+        return
     if not is_url(path):
         with atomic_write(local_path(path), fsync=fsync) as f:
             yield f

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import json
 import math
 import pickle
 import struct
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 
 from .errors import CorruptFileError, PickleNotAllowedError, UnsupportedObjectError
-from .format import MAX_DEPTH
+from .validate import MAX_DEPTH, MAX_INT_DIGITS, dec_to_int, int_to_dec
 
 def _usable(d: torch.dtype) -> bool:
     """A dtype whose tensors can be created, copied and viewed as bytes (drops quantized, sub-byte
@@ -100,13 +101,14 @@ class Encoder:
     def ndarray(self, a: np.ndarray) -> dict[str, Any]:
         if a.dtype.kind not in NP_KINDS + "?" or a.dtype.fields is not None or a.dtype.hasobject:
             raise UnsupportedObjectError(f"numpy arrays of dtype {a.dtype} are not supported")
+        shape = list(a.shape)  # before ascontiguousarray, which makes 0-d arrays 1-d
         a = np.ascontiguousarray(a)
         flat = torch.from_numpy(a.reshape(-1).view(np.uint8).copy())
         idx = len(self.storages)
         fw = a.dtype.itemsize if a.dtype.kind == "f" and a.dtype.itemsize in (2, 4, 8) \
             and a.dtype.byteorder in "<=|" else 0
         self.storages.append(StorageRef(flat, a.dtype.str, "cpu", fw))
-        return {"t": "ndarray", "s": idx, "dtype": a.dtype.str, "shape": list(a.shape)}
+        return {"t": "ndarray", "s": idx, "dtype": a.dtype.str, "shape": shape}
 
     def encode(self, obj: Any, depth: int = 0) -> Any:
         if depth > MAX_DEPTH:
@@ -117,7 +119,10 @@ class Encoder:
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj)
         if type(obj) is int:
-            return {"t": "int", "v": str(obj)}
+            if obj.bit_length() > MAX_INT_DIGITS * 3.3219:  # more digits than any reader accepts
+                raise UnsupportedObjectError(f"ints of more than {MAX_INT_DIGITS} decimal digits are "
+                                             f"not supported")
+            return {"t": "int", "v": int_to_dec(obj)}  # not limited by sys.set_int_max_str_digits
         if type(obj) is float:
             return {"t": "float", "v": struct.pack("<d", obj).hex()}
         if type(obj) in (dict, collections.OrderedDict):
@@ -213,9 +218,7 @@ class Decoder:
                     out.requires_grad_(True)
                 return out
             if t == "int":
-                if not isinstance(v, str) or len(v) > 100_000:
-                    raise _bad("int")
-                return int(v)
+                return dec_to_int(v)
             if t == "float":
                 return struct.unpack("<d", bytes.fromhex(v))[0]
             if t in ("dict", "odict"):
@@ -223,7 +226,10 @@ class Decoder:
                 if not isinstance(ks, list) or not isinstance(vs, list) or len(ks) != len(vs):
                     raise _bad("dict")
                 items = [(self.decode(k, d), self.decode(x, d)) for k, x in zip(ks, vs)]
-                return dict(items) if t == "dict" else collections.OrderedDict(items)
+                out = dict(items) if t == "dict" else collections.OrderedDict(items)
+                if len(out) != len(items):  # the lazy reader could not tell which value is meant
+                    raise _bad("dict node with duplicate keys")
+                return out
             if t in ("list", "tuple"):
                 if not isinstance(v, list):
                     raise _bad(t)
@@ -271,19 +277,57 @@ class Decoder:
         raise _bad(f"unknown node type {t!r}")
 
 
-def tensor_paths(n: Any, prefix: str = "", out: dict[str, Any] | None = None, depth: int = 0) -> dict[str, Any]:
-    """Flattened dotted key -> tensor/ndarray node, for the lazy reader."""
-    out = {} if out is None else out
+def _components(n: Any, comps: tuple, out: list, depth: int) -> None:
+    """(path components, node) of every tensor/ndarray node. A component is ``(dotted text,
+    escaped JSON value)``."""
     if depth > MAX_DEPTH or not isinstance(n, dict):
-        return out
+        return
     t = n.get("t")
     if t in ("tensor", "ndarray"):
-        out.setdefault(prefix, n)
+        out.append((comps, n))
     elif t in ("dict", "odict") and isinstance(n.get("k"), list) and isinstance(n.get("v"), list):
         for k, v in zip(n["k"], n["v"]):
             ks = k if isinstance(k, str) else (k.get("v") if isinstance(k, dict) else str(k))
-            tensor_paths(v, f"{prefix}.{ks}" if prefix else str(ks), out, depth + 1)
+            if isinstance(k, dict) and k.get("t") == "int" and isinstance(k.get("v"), str) \
+                    and len(k["v"]) <= 18:
+                esc: Any = int(k["v"])
+            elif k is None or isinstance(k, (bool, str)):
+                esc = k
+            else:
+                esc = k  # the key node itself (floats, tuples, ...)
+            _components(v, comps + ((str(ks), esc),), out, depth + 1)
     elif t in ("list", "tuple") and isinstance(n.get("v"), list):
         for i, v in enumerate(n["v"]):
-            tensor_paths(v, f"{prefix}.{i}" if prefix else str(i), out, depth + 1)
-    return out
+            _components(v, comps + ((str(i), i),), out, depth + 1)
+
+
+def escaped_key(comps: tuple) -> str:
+    """The unambiguous key of a tensor: its path as a JSON array (strings stay strings, int keys
+    and list indices are numbers, other keys are their manifest key nodes)."""
+    return json.dumps([e for _, e in comps], separators=(",", ":"), ensure_ascii=False)
+
+
+def tensor_keys(root: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(keys, escaped)``: ``keys`` maps each tensor's dotted key (``"model.fc.weight"``) to its
+    node, except where two tensors would share one dotted key (``1`` and ``"1"``, or ``"a.b"``
+    and ``{"a": {"b": ...}}``): those tensors are listed under their :func:`escaped_key` instead.
+    ``escaped`` maps every tensor's escaped key to its node."""
+    found: list = []
+    _components(root, (), found, 0)
+    dotted = [".".join(c for c, _ in comps) for comps, _ in found]
+    escaped = [escaped_key(comps) for comps, _ in found]
+    counts = collections.Counter(dotted)
+    use_esc = [counts[d] > 1 for d in dotted]
+    while True:  # an escaped key must not equal a dotted key that stays dotted
+        taken = {e for e, u in zip(escaped, use_esc) if u}
+        more = [not u and d in taken for d, u in zip(dotted, use_esc)]
+        if not any(more):
+            break
+        use_esc = [u or m for u, m in zip(use_esc, more)]
+    keys = {(e if u else d): node for d, e, u, (_, node) in zip(dotted, escaped, use_esc, found)}
+    return keys, {e: node for e, (_, node) in zip(escaped, found)}
+
+
+def tensor_paths(n: Any) -> dict[str, Any]:
+    """Key -> tensor/ndarray node, for the lazy reader (see :func:`tensor_keys`)."""
+    return tensor_keys(n)[0]

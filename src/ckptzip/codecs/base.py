@@ -69,6 +69,39 @@ class Codec(abc.ABC):
 
 _REGISTRY: dict[str, dict[str, type[Codec]]] = {}
 
+#: JSON type of every codec parameter any implementation accepts (wire or local). A parameter
+#: must be named here, be one of its class's keys and have this type (bool is not an int), or
+#: the config is refused before any codec is constructed.
+PARAM_TYPES: dict[str, type] = {"level": int, "data_type": str, "algorithm_type": int,
+                                "max_sub_chunk_count": int}
+
+
+def _type_ok(value: Any, want: type) -> bool:
+    if want is int:
+        return type(value) is int and -(1 << 31) <= value < (1 << 31)
+    return type(value) is want and len(value) <= 64
+
+
+def check_params(wire_id: str, params: dict[str, Any], allowed: set[str]) -> None:
+    """Refuse parameters that ``allowed`` does not name or whose JSON type is wrong."""
+    unknown = sorted(k for k in params if k not in allowed or k not in PARAM_TYPES)
+    if unknown:
+        raise UnknownCodecError(f"codec {wire_id!r} has no option(s) {[str(k)[:40] for k in unknown]}")
+    for k, v in params.items():
+        if not _type_ok(v, PARAM_TYPES[k]):
+            raise UnknownCodecError(f"codec {wire_id!r}: option {k!r} must be a "
+                                    f"{PARAM_TYPES[k].__name__}, got {type(v).__name__}")
+
+
+def wire_keys(wire_id: str) -> set[str] | None:
+    """The wire config keys some implementation of ``wire_id`` reads from a file, or None for an
+    unknown id."""
+    _load_optional()
+    impls = _REGISTRY.get(wire_id)
+    if not impls:
+        return None
+    return {k for cls in impls.values() for k in cls.config_keys}
+
 
 def register(cls: type[Codec]) -> type[Codec]:
     """Class decorator: make ``cls`` an implementation of its wire id on its device."""
@@ -102,6 +135,8 @@ def get_codec(config: dict[str, Any] | str, device: str = "cpu", **local: Any) -
     if not impls:
         raise UnknownCodecError(f"unknown codec {wire_id!r}; known: {sorted(_REGISTRY)}")
     params = {k: v for k, v in config.items() if k != "id"}
+    if device not in ("cpu", "cuda"):
+        raise UnknownCodecError(f"no codec implementations for device {device!r}")
     cls = impls.get(device)
     if cls is None:
         if device == "cpu":
@@ -110,6 +145,9 @@ def get_codec(config: dict[str, Any] | str, device: str = "cpu", **local: Any) -
                 f"(pip install 'ckptzip[cu13]'); on a GPU machine, make a CPU-readable copy with "
                 f"`ckptzip convert IN OUT --codec zstd`")
         cls = impls["cpu"]  # a CPU implementation serves any device (data is staged through host)
+    # names and types are checked before the class sees them (a parameter named ``self`` or a
+    # level of "x" must not reach a constructor)
+    check_params(wire_id, {**params, **local}, set(cls.config_keys) | set(cls.local_keys()))
     if cls.device == "cuda":
         from .gpu import require_gpu
         require_gpu(wire_id)

@@ -125,24 +125,28 @@ class ZstdCPU(_ByteCodec):
         return self._cctx().compress(data)
 
     def _decompress(self, data, n):
-        # max_output_size bounds the allocation by the size the manifest declares (no bombs);
-        # frames without a content size (as nvCOMP writes them) are streamed, also bounded.
-        try:
-            return self._dctx().decompress(data, max_output_size=n)
-        except zstandard.ZstdError as e:
-            if "could not determine content size" not in str(e):
-                raise
+        # Never trust the frame header: zstandard's one-shot decompress() allocates the content
+        # size a frame declares and ignores max_output_size then (a 33 KB frame can claim GBs).
+        # A declared size other than n is refused before anything is allocated; otherwise (and
+        # for frames without a content size, as nvCOMP writes them) the frame is streamed into
+        # at most n + 1 bytes, so a chunk never costs more than its declared raw size.
+        declared = zstandard.frame_content_size(data)
+        if declared >= 0 and declared != n:
+            raise CodecError(f"zstd: frame declares {declared} bytes, the chunk table {n}")
+        if declared == n:
+            return self._dctx().decompress(data)  # allocates exactly the n bytes declared
         parts, got = [], 0
-        with self._dctx().stream_reader(data, read_across_frames=False) as r:
+        with self._dctx().stream_reader(data, read_across_frames=False, read_size=1 << 17) as r:
             while got <= n:
                 part = r.read(n + 1 - got)
                 if not part:
                     break
                 parts.append(part)
                 got += len(part)
-        if got > n:
-            raise CodecError(f"zstd: chunk decodes to more than the declared {n} bytes")
-        return b"".join(parts)
+        if got != n:
+            raise CodecError(f"zstd: chunk decodes to {'more' if got > n else 'fewer'} than the "
+                             f"declared {n} bytes")
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 @register
@@ -159,8 +163,9 @@ class DeflateCPU(_ByteCodec):
         return c.compress(data) + c.flush()
 
     def _decompress(self, data, n):
+        # max_length bounds the output (and the allocation) by the declared raw size
         d = zlib.decompressobj(-15)
         out = d.decompress(data, n)
-        if d.unconsumed_tail or not d.eof:
+        if d.unconsumed_tail or not d.eof or len(out) != n:
             raise CodecError("deflate: stream longer than declared or incomplete")
         return out

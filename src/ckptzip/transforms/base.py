@@ -69,7 +69,7 @@ def registered() -> list[str]:
 def get_transform(config: Any) -> Transform:
     """The transform a wire config (from a manifest) describes."""
     if not isinstance(config, dict) or not isinstance(config.get("id"), str):
-        raise UnknownCodecError(f"malformed transform config {config!r}")
+        raise UnknownCodecError(f"malformed transform config {str(config)[:200]}")
     tid = config["id"]
     cls = _REGISTRY.get(tid)
     if cls is not None:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..codecs.base import MAX_CHUNK
-from ..errors import UnknownCodecError
+from ..errors import CorruptFileError, UnknownCodecError
 from ..kernels import triton_kernels
 from .base import Transform, register
 
@@ -38,8 +38,13 @@ class BytePlane(Transform):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "BytePlane":
         if set(config) - {"id", "width", "block"}:
-            raise UnknownCodecError(f"byteplane: unknown options in {config!r}")
-        return cls(config.get("width"), config.get("block"))
+            raise UnknownCodecError(f"byteplane: unknown options in {str(config)[:200]}")
+        width, block = config.get("width"), config.get("block")
+        # JSON integers only: 2.0 == 2 and True == 1 in Python, but neither is a valid value
+        if type(width) is not int or type(block) is not int:
+            raise CorruptFileError(f"byteplane: width and block must be integers, got "
+                                   f"{type(width).__name__} and {type(block).__name__}")
+        return cls(width, block)
 
     def accepts(self, nbytes: int) -> bool:
         return nbytes % self.width == 0

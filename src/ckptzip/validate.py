@@ -1,0 +1,236 @@
+"""The one validation layer for a parsed manifest document (normative text: docs/format.md).
+
+``parse_manifest`` calls :func:`load_document` and :func:`validate_document` once, right after it
+has read the chunk table, so that every field a reader later uses (storages, their devices, codec
+and transform parameters, the object tree) has been checked for type, range and consistency
+before anything is sized, allocated or constructed from it. The threat model is a file whose
+author controls every byte and recomputes every checksum: checksums prove integrity, not intent.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import struct
+from typing import Any
+
+from .codecs.base import check_params, wire_keys
+from .errors import CorruptFileError, UnknownCodecError
+
+#: nesting deeper than this is invalid (the object tree, and JSON in general)
+MAX_DEPTH = 200
+#: longest decimal string accepted for an ``int`` node (digits, sign not counted). Parsing is
+#: subquadratic here but not linear: 1,000,000 digits take about a second.
+MAX_INT_DIGITS = 1_000_000
+#: storage ``device`` strings a reader accepts (informative: they only steer placement)
+DEVICE_RE = re.compile(r"(cpu|cuda(:[0-9]{1,4})?)\Z")
+_INT_RE = re.compile(r"-?[0-9]+\Z")
+_FLOAT_RE = re.compile(r"[0-9a-fA-F]{16}\Z")
+NODE_TYPES = frozenset({"int", "float", "bytes", "bytearray", "list", "tuple", "dict", "odict", "size",
+                        "dtype", "device", "tensor", "ndarray", "npscalar", "pickle"})
+
+
+def _bad(msg: str) -> CorruptFileError:
+    return CorruptFileError(f"invalid manifest: {msg}")
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+# -- JSON -------------------------------------------------------------------------------------
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _bad(f"duplicate JSON object key {dup[:60]!r}")
+    return d
+
+
+def _no_constant(name: str) -> Any:
+    raise _bad(f"JSON constant {name} (not allowed)")
+
+
+def load_document(text: bytes) -> Any:
+    """Parse the manifest JSON strictly: UTF-8, no duplicate object keys, no NaN/Infinity."""
+    try:
+        return json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates,
+                          parse_constant=_no_constant)
+    except CorruptFileError:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise CorruptFileError(f"manifest JSON does not parse: {str(e)[:200]}") from None
+
+
+# -- big ints without sys.set_int_max_str_digits ----------------------------------------------
+_SMALL_DIGITS = 4000  # below CPython's default int/str conversion limit (4300)
+_SMALL_BITS = 13000   # < 4000 decimal digits
+
+
+@functools.lru_cache(maxsize=128)
+def _pow10(k: int) -> int:
+    return 10 ** k
+
+
+def _parse_digits(s: str) -> int:
+    if len(s) <= _SMALL_DIGITS:
+        return int(s)
+    k = len(s) // 2
+    return _parse_digits(s[:-k]) * _pow10(k) + _parse_digits(s[-k:])
+
+
+def _format_digits(n: int) -> str:
+    if n.bit_length() <= _SMALL_BITS:
+        return str(n)
+    k = int(n.bit_length() * 0.30102999566398120) // 2
+    q, r = divmod(n, _pow10(k))
+    return _format_digits(q) + _format_digits(r).zfill(k)
+
+
+def int_to_dec(n: int) -> str:
+    """Decimal string of any int, whatever ``sys.get_int_max_str_digits()`` says."""
+    return "-" + _format_digits(-n) if n < 0 else _format_digits(n)
+
+
+def dec_to_int(s: Any) -> int:
+    """Parse an ``int`` node's ``v`` (``-?[0-9]+``, at most :data:`MAX_INT_DIGITS` digits)."""
+    if not isinstance(s, str) or len(s) > MAX_INT_DIGITS + 1 or not _INT_RE.match(s):
+        raise CorruptFileError(f"invalid object tree: int {str(s)[:40]!r} (a decimal string of at "
+                               f"most {MAX_INT_DIGITS} digits is required)")
+    return -_parse_digits(s[1:]) if s[0] == "-" else _parse_digits(s)
+
+
+# -- the document -------------------------------------------------------------------------------
+def validate_document(doc: dict[str, Any], n_chunks: int) -> int:
+    """Check every field a reader uses; return the total declared bytes of all storages.
+
+    Raises CorruptFileError (or UnknownCodecError for codec/transform parameters no
+    implementation knows). Codec and transform *ids* that this version does not know are left to
+    the decoder (they fail with UnknownCodecError when their storage is decoded), so that keys and
+    metadata of such files stay readable."""
+    meta = doc.get("meta", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise _bad("meta must map strings to strings")
+    storages = doc.get("storages")
+    if not isinstance(storages, list):
+        raise _bad("storages")
+    total = 0
+    for i, s in enumerate(storages):
+        total += _storage(i, s)
+    if "root" not in doc:
+        raise _bad("root")
+    _Tree(len(storages)).node(doc["root"], 0)
+    return total
+
+
+def _storage(i: int, s: Any) -> int:
+    if not isinstance(s, dict):
+        raise _bad(f"storage {i}")
+    nb = s.get("nbytes")
+    if not _is_int(nb) or nb < 0:
+        raise _bad(f"storage {i} nbytes")
+    dev = s.get("device", "cpu")
+    if not isinstance(dev, str) or not DEVICE_RE.match(dev):
+        raise _bad(f"storage {i} device {str(dev)[:40]!r} (cpu, cuda or cuda:N)")
+    for k in ("elem", "choice"):
+        if k in s and not isinstance(s[k], str):
+            raise _bad(f"storage {i} {k}")
+    codec = s.get("codec")
+    if not isinstance(codec, dict) or not isinstance(codec.get("id"), str):
+        raise _bad(f"storage {i} codec")
+    keys = wire_keys(codec["id"])
+    if keys is not None:  # a known id: only its wire parameters, of the right JSON type
+        params = {k: v for k, v in codec.items() if k != "id"}
+        try:
+            check_params(codec["id"], params, keys)
+        except UnknownCodecError as e:
+            if set(params) <= keys:  # known names, wrong types: the file lies
+                raise CorruptFileError(f"storage {i}: {e}") from None
+            raise
+    tfs = s.get("transforms", [])
+    if not isinstance(tfs, list):
+        raise _bad(f"storage {i} transforms")
+    if len(tfs) > 1:
+        raise CorruptFileError("format v1 readers decode chains of at most one transform")
+    for tf in tfs:
+        if not isinstance(tf, dict) or not isinstance(tf.get("id"), str):
+            raise _bad(f"storage {i} transform")
+        if tf["id"] == "byteplane":
+            from .transforms import get_transform
+            bp = get_transform(tf)
+            if not bp.accepts(nb):
+                raise CorruptFileError("storage size is not a multiple of its byteplane width")
+    return nb
+
+
+class _Tree:
+    """One walk over the object tree: node shapes, storage indices, int strings and dict keys."""
+
+    def __init__(self, n_storages: int) -> None:
+        self.n_storages = n_storages
+
+    def node(self, n: Any, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise _bad(f"object tree nested deeper than {MAX_DEPTH}")
+        if n is None or isinstance(n, (bool, str)):
+            return
+        if not isinstance(n, dict) or not isinstance(n.get("t"), str):
+            raise _bad(f"tree node {str(n)[:60]!r}")
+        t, v = n["t"], n.get("v")
+        if t not in NODE_TYPES:
+            raise _bad(f"unknown tree node type {t[:40]!r}")
+        if t == "int":
+            _check_int(v)
+        elif t == "float":
+            if not isinstance(v, str) or not _FLOAT_RE.match(v):
+                raise _bad("float node")
+        elif t in ("list", "tuple"):
+            if not isinstance(v, list):
+                raise _bad(f"{t} node")
+            for x in v:
+                self.node(x, depth + 1)
+        elif t in ("dict", "odict"):
+            ks = n.get("k")
+            if not isinstance(ks, list) or not isinstance(v, list) or len(ks) != len(v):
+                raise _bad("dict node")
+            seen: set[Any] = set()
+            for k, x in zip(ks, v):
+                self.node(k, depth + 1)
+                kv = key_value(k)
+                if kv in seen:
+                    raise _bad(f"dict node with duplicate key {str(kv)[:60]!r}")
+                seen.add(kv)
+                self.node(x, depth + 1)
+        elif t in ("tensor", "ndarray"):
+            s = n.get("s")
+            if not _is_int(s) or not 0 <= s < self.n_storages:
+                raise _bad(f"tensor refers to storage {str(s)[:20]!r}, which does not exist")
+        elif t == "size":
+            if not isinstance(v, list) or not all(_is_int(x) and x >= 0 for x in v):
+                raise _bad("size node")
+        elif t in ("bytes", "bytearray", "pickle", "dtype", "device", "npscalar"):
+            if not isinstance(v, str):
+                raise _bad(f"{t} node")
+
+
+def _check_int(v: Any) -> None:
+    if not isinstance(v, str) or len(v) > MAX_INT_DIGITS + 1 or not _INT_RE.match(v):
+        raise _bad(f"int node {str(v)[:40]!r} (a decimal string of at most {MAX_INT_DIGITS} digits)")
+
+
+def key_value(k: Any) -> Any:
+    """A hashable stand-in for the Python value of a dict key node, equal exactly when the
+    decoded keys are equal (``1``, ``1.0`` and ``True`` collide, as in a Python dict)."""
+    if k is None or isinstance(k, (bool, str)):
+        return k
+    t = k.get("t")
+    if t == "int":
+        return dec_to_int(k.get("v"))
+    if t == "float":
+        x = struct.unpack("<d", bytes.fromhex(k["v"]))[0]
+        return object() if math.isnan(x) else x  # NaN keys never compare equal
+    if t == "tuple":
+        return tuple(key_value(x) for x in k["v"])
+    return ("node", json.dumps(k, sort_keys=True))
