@@ -450,8 +450,16 @@ def cmd_demo(a) -> int:
 # --------------------------------------------------------------------------------------------
 # the parser
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and epilog as written; ``(default: X)`` after every option that has a default
+    worth stating (not flags, not None, not when the help text already names it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        h = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in h.lower() \
+                and action.option_strings:
+            h += " (default: %(default)s)"
+        return h
 
 
 class _Parser(argparse.ArgumentParser):
@@ -504,14 +512,16 @@ def _add_quiet(sp: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="ckptzip", description="Lossless compression of PyTorch checkpoints (.ckz files).",
+    p = _Parser(prog="ckptzip", description="Lossless compression of PyTorch checkpoints (.ckz files).\n"
+                "`ckptzip COMMAND --help` describes each command's options.",
                 epilog=EPILOG, formatter_class=_Formatter)
     p.add_argument("--version", action="version", version=f"ckptzip {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
 
     def command(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=description or help, epilog=EPILOG,
-                              formatter_class=_Formatter)
+        import textwrap
+        return sub.add_parser(name, help=help, description=textwrap.fill(description or help, 90),
+                              epilog=EPILOG, formatter_class=_Formatter)
 
     c = command("compress", "torch.save or safetensors file -> .ckz",
                 "Compress a torch.save file (read with torch.load(weights_only=True): tensors, "
