@@ -161,10 +161,11 @@ def test_cli_cost_reproduces_blog(capsys):
     assert 2100 < data["before"]["idle_gpu_usd"] < 2300
 
 
-def test_cli_errors_exit_2(tmp_path):
+def test_cli_errors_exit_1(tmp_path, capsys):
     q = tmp_path / "bad.ckz"
     q.write_bytes(b"nope")
-    assert ckptzip.cli.main(["info", str(q)]) == 2
+    assert ckptzip.cli.main(["info", str(q)]) == 1  # a failure; 2 is for usage errors
+    assert capsys.readouterr().err.startswith("error: TruncatedFileError")
 
 
 def test_cli_installed_entry_point(tmp_path):

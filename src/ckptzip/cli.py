@@ -1,30 +1,111 @@
-"""The ``ckptzip`` command line."""
+"""The ``ckptzip`` command line.
+
+Conventions (the same for every command):
+
+* Errors are one line on stderr, ``error: ...``; exit status 2 for usage errors (bad options,
+  input == output), 1 for failures (missing or unreadable files, corrupt or hostile checkpoints,
+  no GPU), 128 + the signal number when interrupted (SIGINT, SIGTERM; a file being written is
+  removed). Unexpected internal errors print one line too; ``CKPTZIP_DEBUG=1`` adds tracebacks.
+* Pickle never runs unless ``--allow-pickle`` is given (``compress``, ``decompress``, ``convert``).
+* Every string that comes from a file (tensor names, metadata, messages quoting them) is printed
+  as data: never interpreted as rich markup, with control characters escaped (:func:`clean`).
+* Progress bars and spinners go to stderr, only when stderr is a terminal and ``--quiet`` is not
+  given; stdout carries results only (``--json`` output is JSON and nothing else).
+"""
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, Progress, TimeRemainingColumn,
                            TransferSpeedColumn)
 from rich.table import Table
+from rich.text import Text
 
-from . import api
+from . import __version__
+from .codecs.base import MAX_CHUNK
 from .cost import CostInputs, monthly_cost
+from .engine import DEFAULT_CHUNK
 from .errors import CkptzipError
 
-console = Console()
-err = Console(stderr=True)
+console = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+DEBUG_ENV = "CKPTZIP_DEBUG"
+MIN_CHUNK = 64            # api.save's smallest chunk_size
+#: --level ranges per codec (zstd's negative levels are its fast modes)
+LEVELS = {"zstd": (-(1 << 17), 22), "deflate": (0, 9)}
+
+
+class UsageError(Exception):
+    """A bad command line: exit status 2."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Raised in the main thread by the SIGTERM/SIGINT handler, so that ``finally`` blocks and the
+    atomic writer's cleanup (which removes its temp file) run before the process exits."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+# --------------------------------------------------------------------------------------------
+# printing strings from files
+
+def _esc(c: str) -> str:
+    o = ord(c)
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
+
+
+def clean(s: Any) -> str:
+    """``s`` as one printable line: every non-printable character (ESC and other controls,
+    newlines, tabs, bidi overrides, ...) replaced by its ``\\xNN``/``\\uNNNN`` escape. Use for every
+    string that comes from a file or from the user before it reaches the terminal."""
+    s = str(s)
+    return s if s.isprintable() else "".join(c if c.isprintable() else _esc(c) for c in s)
+
+
+def text(s: Any, style: str | None = None) -> Text:
+    """A rich ``Text`` of :func:`clean` (``s``): rich never parses it as markup (``[/x]`` is data)."""
+    return Text(clean(s), style=style or "")
+
+
+def line(*parts: Any) -> Text:
+    """One output line from ``str`` parts (data, cleaned) and ``(str, style)`` tuples."""
+    return Text.assemble(*[(clean(p[0]), p[1]) if isinstance(p, tuple) else clean(p) for p in parts])
+
+
+def say(t: Text) -> None:
+    """Print one line to stdout, never wrapped (scripts parse it)."""
+    console.print(t, soft_wrap=True)
+
+
+def error_line(msg: str) -> None:
+    sys.stderr.write(f"error: {clean(msg)}\n")
+    sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------------------------
+# progress
+
+def _show_progress(quiet: bool) -> bool:
+    return not quiet and err.is_terminal
 
 
 @contextlib.contextmanager
 def progress_bar(label: str, quiet: bool = False) -> Iterator:
-    """Yields a ``progress(done, total)`` callback drawing a rich bar on stderr."""
-    if quiet:
+    """Yields a ``progress(done, total)`` callback drawing a bar on stderr, or None when ``quiet``
+    or when stderr is not a terminal."""
+    if not _show_progress(quiet):
         yield None
         return
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
@@ -36,57 +117,221 @@ def progress_bar(label: str, quiet: bool = False) -> Iterator:
         yield cb
 
 
-def _codec_arg(s: str):
-    return json.loads(s) if s.startswith("{") else s
+@contextlib.contextmanager
+def spinner(label: str, quiet: bool = False) -> Iterator[None]:
+    if not _show_progress(quiet):
+        yield
+        return
+    with err.status(text(label)):
+        yield
 
+
+# --------------------------------------------------------------------------------------------
+# argument types and checks
+
+def _codec_type(s: str) -> str | dict:
+    """``--codec``: a wire id or a JSON object with an ``id``."""
+    if not s.lstrip().startswith("{"):
+        if not s or not s.replace("_", "").replace("-", "").isalnum():
+            raise argparse.ArgumentTypeError(f"invalid codec name {s!r}")
+        return s
+    try:
+        cfg = json.loads(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"invalid JSON codec config: {e}") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("id"), str):
+        raise argparse.ArgumentTypeError('a JSON codec config is an object with a string "id", '
+                                         'e.g. {"id": "zstd"}')
+    return cfg
+
+
+def _size_type(s: str) -> int:
+    """``--chunk-size``: bytes, optionally with a K or M suffix (KiB, MiB)."""
+    t = s.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = 1
+    if t[-1:] in ("K", "M"):
+        mult = 1024 if t[-1] == "K" else 1 << 20
+        t = t[:-1]
+    try:
+        n = int(t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid size {s!r} (bytes, or with a K/M suffix)") from None
+    if not MIN_CHUNK <= n <= MAX_CHUNK:
+        raise argparse.ArgumentTypeError(f"{s} is out of range: {MIN_CHUNK} to {MAX_CHUNK} bytes (16M)")
+    return n
+
+
+def _positive(kind):
+    def parse(s: str):
+        try:
+            v = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number {s!r}") from None
+        if not v > 0 or v != v or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"{s} must be a positive number")
+        return v
+    return parse
+
+
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{s} must be >= 0")
+    return v
+
+
+def _gpu_usable() -> bool:
+    from .planner import gpu_ok
+    return gpu_ok()
+
+
+def _check_device(device: str | None) -> None:
+    if device == "cuda" and not _gpu_usable():
+        import torch
+        why = "torch.cuda.is_available() is False" if not torch.cuda.is_available() else \
+            "nvCOMP is not usable (pip install 'ckptzip[cu13]')"
+        raise CkptzipError(f"--device cuda: no usable CUDA GPU here ({why})")
+
+
+def _check_save_options(a) -> None:
+    """Validate the encoding options before any file is read (a bad option after reading a large
+    checkpoint would waste minutes)."""
+    cfg = a.codec if isinstance(a.codec, dict) else {"id": a.codec}
+    cid = cfg["id"]
+    if a.level is not None:
+        lv_codec = "zstd" if cid == "auto" else cid
+        if lv_codec not in LEVELS:
+            raise UsageError(f"--level applies to zstd and deflate (and auto), not to {cid!r}")
+        lo, hi = LEVELS[lv_codec]
+        if not lo <= a.level <= hi:
+            raise UsageError(f"--level {a.level} is out of range for {lv_codec}: {lo} to {hi}")
+    _check_device(a.device)
+    if cid != "auto":
+        from .codecs import get_codec, registered
+        if cid not in registered():
+            raise UsageError(f"unknown codec {cid!r}; known: auto, {', '.join(registered())}")
+        if a.portable and cid not in ("zstd", "deflate", "raw"):
+            raise UsageError(f"--portable allows only zstd, deflate and raw (and auto), not {cid!r}")
+        dev = a.device or ("cuda" if _gpu_usable() else "cpu")
+        get_codec(cfg, dev)  # unknown options, GPU-only codecs without a GPU: before reading
+
+
+def _is_url(p: str) -> bool:
+    from .storage import is_url
+    return is_url(p)
+
+
+def _check_io(src: str, dst: str) -> None:
+    """Refuse what would fail late or destroy data: a directory as input or output, a missing
+    output directory, and an output that is the input (any spelling, links included)."""
+    if not _is_url(src):
+        if os.path.isdir(src):
+            raise IsADirectoryError(21, "Is a directory (expected a checkpoint file)", src)
+        if not os.path.exists(src):
+            raise FileNotFoundError(2, "No such file or directory", src)
+    if _is_url(dst):
+        return
+    if os.path.isdir(dst):
+        raise IsADirectoryError(21, "Is a directory (give the output file's name)", dst)
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(2, "Output directory does not exist", parent)
+    same = os.path.realpath(src) == os.path.realpath(dst)
+    if not same and os.path.exists(dst) and not _is_url(src):
+        with contextlib.suppress(OSError):
+            same = os.path.samefile(src, dst)
+    if same:
+        raise UsageError(f"output {dst!r} is the input file; write to another path")
+
+
+# --------------------------------------------------------------------------------------------
+# commands
 
 def cmd_compress(a) -> int:
-    import torch
-    with err.status(f"reading {a.input} (torch.load, weights_only=True)"):
-        obj = torch.load(a.input, map_location="cpu", weights_only=True)
+    from . import api
+    from .torchfile import load_torch_file, read_safetensors, sniff
+    _check_save_options(a)
+    _check_io(a.input, a.output)
+    meta: dict[str, str] = {}
+    with spinner(f"reading {a.input}", a.quiet):
+        if not _is_url(a.input) and sniff(a.input) == "safetensors":
+            obj, meta = read_safetensors(a.input)  # its __metadata__ becomes the .ckz metadata
+        else:
+            obj = load_torch_file(a.input, allow_pickle=a.allow_pickle)
     with progress_bar("compressing", a.quiet) as cb:
-        r = api.save(obj, a.output, codec=_codec_arg(a.codec), chunk_size=a.chunk_size,
-                     level=a.level, progress=cb, portable=a.portable)
+        r = api.save(obj, a.output, codec=a.codec, chunk_size=a.chunk_size, level=a.level,
+                     metadata=meta, allow_pickle=a.allow_pickle, progress=cb, portable=a.portable,
+                     device=a.device)
     _summary(a.input, r)
     return 0
 
 
 def _summary(src: str, r: dict) -> None:
     size_in = os.path.getsize(src)
-    console.print(f"{src} ({size_in:,} B) -> {r['path']} ({r['stored_bytes']:,} B), "
-                  f"ratio {r['stored_bytes'] / max(1, size_in):.3f} of the input, "
-                  f"{r['stored_bytes'] / max(1, r['raw_bytes']):.3f} of the tensor bytes")
+    say(line(f"{src} ({size_in:,} B) -> {r['path']} ({r['stored_bytes']:,} B), "
+             f"ratio {r['stored_bytes'] / max(1, size_in):.3f} of the input, "
+             f"{r['stored_bytes'] / max(1, r['raw_bytes']):.3f} of the tensor bytes"))
+
+
+def _out_format(a) -> str:
+    if a.format != "auto":
+        return a.format
+    return "safetensors" if a.output.lower().endswith(".safetensors") else "torch"
 
 
 def cmd_decompress(a) -> int:
-    import torch
-    with progress_bar("decompressing", a.quiet) as cb:
-        obj = api.load(a.input, map_location="cpu", allow_pickle=a.allow_pickle, progress=cb)
-    from .storage import atomic_write
-    with atomic_write(a.output) as f:
-        torch.save(obj, f)
-    console.print(f"{a.input} -> {a.output} ({os.path.getsize(a.output):,} B)")
+    from . import api
+    _check_io(a.input, a.output)
+    fmt = _out_format(a)
+    with progress_bar("decompressing", a.quiet) as cb, \
+            api.open(a.input, map_location="cpu", allow_pickle=a.allow_pickle, progress=cb) as r:
+        obj = r.load()
+        meta = r.metadata
+    if fmt == "safetensors":
+        from .torchfile import write_safetensors
+        size = write_safetensors(obj, a.output, metadata=meta)
+    else:
+        import torch
+        from .storage import open_for_write
+        with open_for_write(a.output) as f:
+            torch.save(obj, f)
+        size = os.path.getsize(a.output) if not _is_url(a.output) else 0
+    say(line(f"{a.input} -> {a.output} ({size:,} B, {fmt})"))
     return 0
 
 
 def cmd_convert(a) -> int:
-    with progress_bar("decoding", a.quiet) as cb:
-        obj = api.load(a.input, map_location=None, allow_pickle=True, progress=cb)
-    with api.open(a.input) as r:
+    from . import api
+    _check_save_options(a)
+    _check_io(a.input, a.output)
+    with progress_bar("decoding", a.quiet) as cb, \
+            api.open(a.input, map_location=None, allow_pickle=a.allow_pickle, progress=cb) as r:
+        obj = r.load()
         meta = r.metadata
     with progress_bar("encoding", a.quiet) as cb:
-        res = api.save(obj, a.output, codec=_codec_arg(a.codec), metadata=meta, allow_pickle=True,
-                       progress=cb, portable=a.codec in ("zstd", "deflate", "raw"))
+        res = api.save(obj, a.output, codec=a.codec, chunk_size=a.chunk_size, level=a.level,
+                       metadata=meta, allow_pickle=a.allow_pickle, progress=cb, portable=a.portable,
+                       device=a.device)
     _summary(a.input, res)
     return 0
 
 
+def _check_input(path: str) -> None:
+    if not _is_url(path) and os.path.isdir(path):
+        raise IsADirectoryError(21, "Is a directory (expected a .ckz file)", path)
+
+
 def info_rows(path: str) -> tuple[dict, list[dict]]:
+    from . import api
+    _check_input(path)
     with api.open(path) as r:
         rows = []
         for key, node in r._tensor_nodes().items():
-            s = r.storages[r._storage_index(node)]
             idx = r._storage_index(node)
+            s = r.storages[idx]
             codec = s["codec"]["id"] + (f":{s['codec']['data_type']}" if "data_type" in s["codec"] else "")
             tfs = "+".join(t["id"] for t in s.get("transforms", []))
             rows.append({"key": key, "dtype": node.get("dtype"), "shape": node.get("shape"),
@@ -100,38 +345,50 @@ def info_rows(path: str) -> tuple[dict, list[dict]]:
     return head, rows
 
 
+def _shape(shape: Any) -> str:
+    if isinstance(shape, list):
+        return "x".join(map(str, shape)) or "()"
+    return str(shape)
+
+
 def cmd_info(a) -> int:
     head, rows = info_rows(a.file)
     if a.json:
-        print(json.dumps({**head, "tensors": rows}, indent=1))
+        print(json.dumps({**head, "tensors": rows}, indent=1))  # JSON escapes control characters
         return 0
-    t = Table(title=f"{a.file}  (format {head['version'][0]}.{head['version'][1]}, {head['created_by']})")
+    v = head["version"]
+    t = Table(title=line(f"{a.file}  (format {v[0]}.{v[1]}, {head['created_by']})"))
     for c in ("key", "dtype", "shape", "raw", "stored", "ratio", "codec"):
-        t.add_column(c, justify="right" if c in ("raw", "stored", "ratio") else "left")
+        t.add_column(c, justify="right" if c in ("raw", "stored", "ratio") else "left",
+                     overflow="fold" if c == "key" else "ellipsis")
     seen = set()
     for r in rows:
         shared = r["storage"] in seen
         seen.add(r["storage"])
-        t.add_row(r["key"], r["dtype"], "x".join(map(str, r["shape"])) or "()",
-                  f"{r['raw_bytes']:,}", "shared" if shared else f"{r['stored_bytes']:,}",
-                  "" if shared else f"{r['stored_bytes'] / max(1, r['raw_bytes']):.3f}",
-                  r["codec"] + (f" ({r['choice']})" if r["choice"] else ""))
+        t.add_row(text(r["key"]), text(r["dtype"]), text(_shape(r["shape"])),
+                  text(f"{r['raw_bytes']:,}"), text("shared" if shared else f"{r['stored_bytes']:,}"),
+                  text("" if shared else f"{r['stored_bytes'] / max(1, r['raw_bytes']):.3f}"),
+                  text(r["codec"] + (f" ({r['choice']})" if r["choice"] else "")))
     console.print(t)
-    console.print(f"tensor bytes {head['raw_bytes']:,} -> file {head['file_bytes']:,} "
-                  f"(ratio {head['file_bytes'] / max(1, head['raw_bytes']):.3f}), "
-                  f"{head['storages']} storages, {head['chunks']} chunks")
+    for k, val in head["metadata"].items():
+        say(line(("metadata ", "dim"), f"{k} = {val}"))
+    say(line(f"tensor bytes {head['raw_bytes']:,} -> file {head['file_bytes']:,} "
+             f"(ratio {head['file_bytes'] / max(1, head['raw_bytes']):.3f}), "
+             f"{head['storages']} storages, {head['chunks']} chunks"))
     return 0
 
 
 def cmd_verify(a) -> int:
+    from . import api
+    _check_input(a.file)
     try:
         with api.open(a.file) as r, progress_bar("verifying", a.quiet) as cb:
             r.progress = cb
             r.verify()
     except CkptzipError as e:
-        console.print(f"[red]FAILED[/red] {a.file}: {type(e).__name__}: {e}")
+        say(line(("FAILED", "red"), f" {a.file}: {type(e).__name__}: {e}"))
         return 1
-    console.print(f"[green]OK[/green] {a.file}: every chunk's checksum and size verified")
+    say(line(("OK", "green"), f" {a.file}: every chunk's checksum and size verified"))
     return 0
 
 
@@ -144,6 +401,9 @@ def cmd_cost(a) -> int:
         head, _ = info_rows(a.from_file)
         ratio = head["file_bytes"] / max(1, head["raw_bytes"])
     before, after = monthly_cost(c, 1.0), monthly_cost(c, ratio)
+    if a.json:
+        print(json.dumps({"ratio": ratio, "before": before, "after": after}))
+        return 0
     t = Table(title=f"checkpoint cost per month ({c.gpus} GPUs at ${c.gpu_hour_usd}/h, every "
                     f"{c.interval_min:g} min, {c.write_gbps:g} GB/s, {c.retained} kept)")
     for col in ("", "uncompressed", f"ckptzip (ratio {ratio:.3f})", "saved"):
@@ -152,104 +412,282 @@ def cmd_cost(a) -> int:
                      ("idle_gpu_usd", "idle GPU $"), ("storage_usd", "storage $"), ("total_usd", "total $")):
         t.add_row(label, f"{before[k]:,.1f}", f"{after[k]:,.1f}", f"{before[k] - after[k]:,.1f}")
     console.print(t)
-    if a.json:
-        print(json.dumps({"ratio": ratio, "before": before, "after": after}))
     return 0
 
 
 def cmd_ls(a) -> int:
     from .manager import CheckpointManager
+    if not _is_url(a.directory) and not os.path.isdir(a.directory):
+        if os.path.exists(a.directory):
+            raise NotADirectoryError(20, "Not a directory", a.directory)
+        raise FileNotFoundError(2, "No such directory", a.directory)
     m = CheckpointManager(a.directory, keep_last=None, create=False)
+    if _is_url(a.directory) and not m.fs.isdir(m.root):
+        raise FileNotFoundError(2, "No such directory", a.directory)
     steps = m.steps()
     if a.json:
-        print(json.dumps({"directory": a.directory, "steps": steps, "latest": m.latest()}))
+        print(json.dumps({"directory": a.directory, "steps": steps, "latest": steps[-1] if steps else None}))
         return 0
-    t = Table(title=f"committed checkpoints in {a.directory}")
+    t = Table(title=line(f"committed checkpoints in {a.directory}"))
     for c in ("step", "file", "bytes"):
         t.add_column(c, justify="right" if c != "file" else "left")
     for s in steps:
         p = m.path(s)
-        t.add_row(str(s), os.path.basename(p), f"{m.fs.size(m._join(os.path.basename(p))):,}")
+        t.add_row(str(s), text(os.path.basename(p)), f"{m.fs.size(m._join(os.path.basename(p))):,}")
     console.print(t)
     if not steps:
-        console.print("no committed checkpoint")
+        say(line("no committed checkpoint"))
     return 0
 
 
 def cmd_demo(a) -> int:
+    _check_device(a.device)
     from .demo import run_demo
     run_demo(seconds=a.seconds, device=a.device, out_dir=a.out)
     return 0
 
 
+# --------------------------------------------------------------------------------------------
+# the parser
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and epilog as written; ``(default: X)`` after every option that has a default
+    worth stating (not flags, not None, not when the help text already names it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        h = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in h.lower() \
+                and action.option_strings:
+            h += " (default: %(default)s)"
+        return h
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors become one line (``error: ...``) and exit status 2, through :func:`main`."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+EPILOG = """\
+exit status: 0 success, 1 failure (missing/unreadable/corrupt file, no GPU, verify failed),
+2 usage error, 128+N killed by signal N (an output being written is removed).
+Errors are one line on stderr; set CKPTZIP_DEBUG=1 for tracebacks.
+Progress bars go to stderr, only when it is a terminal and --quiet is not given.
+Pickle never runs unless --allow-pickle is given: use it only for files you trust."""
+
+
+def add_save_options(sp: argparse.ArgumentParser, codec_default: str) -> None:
+    """The encoding options shared by ``compress`` and ``convert``."""
+    g = sp.add_argument_group("encoding options")
+    g.add_argument("--codec", type=_codec_type, default=codec_default, metavar="CODEC",
+                   help="auto (zstd on the CPU; on a GPU nvCOMP ANS, or zstd when --portable), "
+                        "zstd, deflate, raw (any CPU decodes these), or GPU-only ans, bitcomp, "
+                        "gdeflate, lz4, snappy, cascaded; or a JSON wire config such as "
+                        "'{\"id\": \"ans\", \"data_type\": \"<f2\"}'")
+    g.add_argument("--level", type=int, default=None,
+                   help="compression level for CPU zstd (1 to 22, higher is smaller and slower; "
+                        "negative levels are faster) or deflate (0 to 9); other codecs and GPU "
+                        "encoding have none. Default: the codec's own (zstd 3, deflate 6)")
+    g.add_argument("--chunk-size", type=_size_type, default=DEFAULT_CHUNK, metavar="BYTES",
+                   help=f"uncompressed bytes per chunk, {MIN_CHUNK} to {MAX_CHUNK} (16M); K and M "
+                        "suffixes mean KiB and MiB. Smaller chunks read single tensors with less "
+                        "waste, larger ones compress slightly better")
+    g.add_argument("--portable", action="store_true",
+                   help="only codecs any CPU can decode (zstd, deflate, raw), even on a GPU")
+    g.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where to encode; default: the GPU when CUDA and nvCOMP are usable, else "
+                        "the CPU. cuda without a usable GPU is an error")
+
+
+def _add_pickle(sp: argparse.ArgumentParser, what: str) -> None:
+    sp.add_argument("--allow-pickle", action="store_true",
+                    help=f"{what}. Unpickling runs code chosen by the file's author: only for "
+                         "files you trust")
+
+
+def _add_quiet(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("-q", "--quiet", action="store_true",
+                    help="no progress bar (there is none anyway when stderr is not a terminal)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ckptzip", description="Lossless compression of PyTorch checkpoints")
-    p.add_argument("--version", action="version", version=f"ckptzip {api.__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = _Parser(prog="ckptzip", description="Lossless compression of PyTorch checkpoints (.ckz files).\n"
+                "`ckptzip COMMAND --help` describes each command's options.",
+                epilog=EPILOG, formatter_class=_Formatter)
+    p.add_argument("--version", action="version", version=f"ckptzip {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
 
-    def q(sp):
-        sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-        return sp
+    def command(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+        import textwrap
+        return sub.add_parser(name, help=help, description=textwrap.fill(description or help, 90),
+                              epilog=EPILOG, formatter_class=_Formatter)
 
-    c = q(sub.add_parser("compress", help="torch.save file -> .ckz"))
-    c.add_argument("input")
-    c.add_argument("output")
-    c.add_argument("--codec", default="auto", help="auto, zstd, deflate, raw, ans, ... or a JSON config")
-    c.add_argument("--chunk-size", type=int, default=1 << 20)
-    c.add_argument("--level", type=int, default=None, help="zstd/deflate level (CPU)")
-    c.add_argument("--portable", action="store_true", help="only codecs any CPU can decode")
+    c = command("compress", "torch.save or safetensors file -> .ckz",
+                "Compress a torch.save file (read with torch.load(weights_only=True): tensors, "
+                "containers, numbers, strings, numpy arrays/scalars and RNG states; no pickle) "
+                "or a safetensors file (detected by its header; its __metadata__ becomes the "
+                ".ckz metadata) into a .ckz file, written atomically.")
+    c.add_argument("input", help="torch.save or safetensors file")
+    c.add_argument("output", help=".ckz file to write (replaced atomically; must not be the input)")
+    add_save_options(c, "auto")
+    _add_pickle(c, "read input files that hold arbitrary Python objects (torch.load with "
+                   "weights_only=False) and store them pickled in the .ckz")
+    _add_quiet(c)
     c.set_defaults(fn=cmd_compress)
-    d = q(sub.add_parser("decompress", help=".ckz -> torch.save file"))
-    d.add_argument("input")
-    d.add_argument("output")
-    d.add_argument("--allow-pickle", action="store_true")
+
+    d = command("decompress", ".ckz -> torch.save or safetensors file")
+    d.add_argument("input", help=".ckz file")
+    d.add_argument("output", help="file to write (replaced atomically; must not be the input)")
+    d.add_argument("--format", choices=("auto", "torch", "safetensors"), default="auto",
+                   help="output format; auto: safetensors if OUTPUT ends in .safetensors, else "
+                        "torch.save. safetensors holds tensors only (nested dicts are flattened "
+                        "to dotted keys, shared or strided tensors written as contiguous copies, "
+                        "the .ckz metadata goes to __metadata__); other values are an error")
+    _add_pickle(d, "load pickled objects stored in the .ckz")
+    _add_quiet(d)
     d.set_defaults(fn=cmd_decompress)
-    v = q(sub.add_parser("convert", help="re-encode a .ckz with another codec (e.g. GPU-only -> zstd)"))
-    v.add_argument("input")
-    v.add_argument("output")
-    v.add_argument("--codec", default="zstd")
+
+    v = command("convert", "re-encode a .ckz with other options (e.g. GPU-only codec -> zstd)",
+                "Decode a .ckz and encode it again with other encoding options; its metadata is "
+                "kept. Use on a GPU machine to make a CPU-readable copy of a file written with a "
+                "GPU-only codec.")
+    v.add_argument("input", help=".ckz file")
+    v.add_argument("output", help=".ckz file to write (replaced atomically; must not be the input)")
+    add_save_options(v, "zstd")
+    _add_pickle(v, "load and re-store pickled objects held by the .ckz")
+    _add_quiet(v)
     v.set_defaults(fn=cmd_convert)
-    i = sub.add_parser("info", help="table of tensors, sizes, ratios and codecs")
-    i.add_argument("file")
-    i.add_argument("--json", action="store_true")
+
+    i = command("info", "table of tensors, sizes, ratios and codecs (reads the manifest only)")
+    i.add_argument("file", help=".ckz file")
+    i.add_argument("--json", action="store_true", help="print JSON only (for scripts)")
     i.set_defaults(fn=cmd_info)
-    f = q(sub.add_parser("verify", help="check every checksum; exit 1 on failure"))
-    f.add_argument("file")
+
+    f = command("verify", "decode every chunk and check its checksum and size; exit 1 on failure")
+    f.add_argument("file", help=".ckz file")
+    _add_quiet(f)
     f.set_defaults(fn=cmd_verify)
-    k = sub.add_parser("cost", help="monthly idle-GPU and storage dollars, before and after compression")
-    k.add_argument("--size-gb", type=float, default=782.0)
-    k.add_argument("--write-gbps", type=float, default=5.0)
-    k.add_argument("--every-min", type=float, default=30.0)
-    k.add_argument("--gpus", type=int, default=8)
-    k.add_argument("--gpu-hour", type=float, default=4.40)
-    k.add_argument("--retained", type=int, default=10)
-    k.add_argument("--storage-gb-month", type=float, default=0.023)
-    k.add_argument("--ratio", type=float, default=0.75, help="stored/raw ratio to assume")
-    k.add_argument("--from", dest="from_file", help="take the ratio measured on this .ckz file")
-    k.add_argument("--json", action="store_true")
+
+    k = command("cost", "monthly idle-GPU and storage dollars, before and after compression")
+    k.add_argument("--size-gb", type=_positive(float), default=782.0, help="checkpoint size, GB (10^9 B)")
+    k.add_argument("--write-gbps", type=_positive(float), default=5.0, help="write bandwidth, GB/s")
+    k.add_argument("--every-min", type=_positive(float), default=30.0, help="minutes between checkpoints")
+    k.add_argument("--gpus", type=_positive(int), default=8, help="GPUs idle while a checkpoint is written")
+    k.add_argument("--gpu-hour", type=float, default=4.40, help="price of one GPU hour, USD")
+    k.add_argument("--retained", type=_nonneg_int, default=10, help="checkpoints kept in storage")
+    k.add_argument("--storage-gb-month", type=float, default=0.023, help="storage price, USD per GB-month")
+    k.add_argument("--ratio", type=_positive(float), default=0.75,
+                   help="compressed/uncompressed size ratio to assume")
+    k.add_argument("--from", dest="from_file", metavar="FILE", default=None,
+                   help="take the ratio measured on this .ckz file instead of --ratio")
+    k.add_argument("--json", action="store_true", help="print JSON only (for scripts)")
     k.set_defaults(fn=cmd_cost)
-    ls = sub.add_parser("ls", help="committed checkpoints of a CheckpointManager directory")
-    ls.add_argument("directory")
-    ls.add_argument("--json", action="store_true")
+
+    ls = command("ls", "committed checkpoints of a CheckpointManager directory")
+    ls.add_argument("directory", help="local directory or fsspec URL; it must exist")
+    ls.add_argument("--json", action="store_true", help="print JSON only (for scripts)")
     ls.set_defaults(fn=cmd_ls)
-    m = sub.add_parser("demo", help="train a tiny model, save with torch.save and ckptzip, compare")
-    m.add_argument("--seconds", type=float, default=8.0)
-    m.add_argument("--device", default=None)
+
+    m = command("demo", "train a tiny model, save with torch.save and ckptzip, compare")
+    m.add_argument("--seconds", type=_positive(float), default=8.0, help="training time, seconds")
+    m.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="default: cuda if available, else cpu")
     m.add_argument("--out", default=None, help="directory for the files (default: a temp dir)")
     m.set_defaults(fn=cmd_demo)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+# --------------------------------------------------------------------------------------------
+# main
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGTERM and SIGINT raise :class:`Interrupted` in the main thread while the command runs, so
+    an atomic write in progress removes its temp file. Previous handlers are restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+    old = {}
+    for s in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(ValueError, OSError):
+            old[s] = signal.signal(s, handler)
     try:
-        return a.fn(a)
+        yield
+    finally:
+        for s, h in old.items():
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(s, h)
+
+
+def _os_message(e: OSError) -> str:
+    if e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    return str(e)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    if not argv:
+        parser.print_help(sys.stderr)
+        return 2
+    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+    def trace() -> None:
+        if debug:
+            import traceback
+            traceback.print_exc()
+    try:
+        with _signals_raise():
+            try:
+                a = parser.parse_args(argv)
+            except SystemExit as e:  # --help, --version
+                return e.code if isinstance(e.code, int) else 0
+            return a.fn(a)
+    except UsageError as e:
+        trace()
+        error_line(str(e))
+        return 2
+    except Interrupted as e:
+        trace()
+        error_line(f"interrupted by {signal.Signals(e.signum).name}; nothing was written")
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        trace()
+        error_line("interrupted")
+        return 130
     except CkptzipError as e:
-        err.print(f"[red]error[/red]: {type(e).__name__}: {e}")
-        return 2
-    except FileNotFoundError as e:
-        err.print(f"[red]error[/red]: {e}")
-        return 2
+        trace()
+        from .errors import PickleNotAllowedError, UnsupportedObjectError
+        hint = " (command line: --allow-pickle)" if isinstance(
+            e, (PickleNotAllowedError, UnsupportedObjectError)) and "--allow-pickle" not in str(e) else ""
+        error_line(f"{type(e).__name__}: {e}{hint}")
+        return 1
+    except BrokenPipeError:  # e.g. `ckptzip info x.ckz | head`
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as e:
+        trace()
+        error_line(_os_message(e))
+        return 1
+    except MemoryError:
+        trace()
+        error_line("out of memory")
+        return 1
+    except (ValueError, TypeError) as e:
+        trace()
+        error_line(str(e) or type(e).__name__)
+        return 1
+    except Exception as e:
+        if debug:
+            raise
+        error_line(f"internal error: {type(e).__name__}: {e} (set {DEBUG_ENV}=1 for a traceback)")
+        return 1
 
 
 if __name__ == "__main__":
