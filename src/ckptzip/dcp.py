@@ -68,6 +68,11 @@ _MF_TO_NAME = {v: k for k, v in _MEMORY_FORMATS.items()}
 class DCPMetadataError(CorruptFileError):
     """The DCP checkpoint's JSON metadata (or commit marker) is malformed, hostile or inconsistent."""
 
+    def __str__(self) -> str:
+        # DCP's loader folds read_metadata's exception into an AssertionError message (and that
+        # into a CheckpointException): keep the error's name in the text so it stays visible.
+        return f"{type(self).__name__}: {super().__str__()}"
+
 
 class IncompleteCheckpointError(DCPMetadataError):
     """The DCP checkpoint directory is not committed (no valid ``COMMIT`` marker, e.g. a rank died
