@@ -456,3 +456,16 @@ def test_copy_of_checkpoint_dir_loads(tmp_path, ckpts):
           "step": 0, "cfg": {"lr": 0.0, "name": ""}}
     dcp.load(st, storage_reader=Reader(q))
     _same(st["tensors"]["w"], full["w"])
+
+
+def test_rank_file_not_matching_metadata_refused(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    st = _save_single(a)
+    _save_single(b, {"a": torch.randn(6, 3), "n": {"b": torch.arange(4)}, "step": 3})
+    shutil.copy(os.path.join(b, "__0_0.ckz"), os.path.join(a, "__0_0.ckz"))
+    doc = json.load(open(os.path.join(a, METADATA_NAME)))
+    doc["files"]["__0_0.ckz"]["bytes"] = os.path.getsize(os.path.join(a, "__0_0.ckz"))
+    _forge(a, json.dumps(doc).encode())
+    read_metadata(a)  # consistent on its face
+    with pytest.raises(CheckpointException, match="DCPMetadataError.*stored chunk"):
+        dcp.load(_fresh(st), storage_reader=Reader(a))

@@ -580,6 +580,7 @@ class Reader(StorageReader):
         self.allow_pickle = allow_pickle
         self.cache_bytes = cache_bytes
         self.storage_data: dict[MetadataIndex, _Stored] = {}
+        self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
         self.load_id = uuid.uuid4().hex
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -605,6 +606,12 @@ class Reader(StorageReader):
         if not isinstance(metadata.storage_data, dict):
             raise DCPMetadataError("metadata has no ckptzip storage_data")
         self.storage_data = metadata.storage_data
+        # what each stored chunk must be: (sizes, dtype), checked against the decoded tensor
+        self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
+        for fqn, m in metadata.state_dict_metadata.items():
+            if isinstance(m, TensorStorageMetadata):
+                for c in m.chunks:
+                    self._chunks[MetadataIndex(fqn, c.offsets)] = (torch.Size(c.sizes), m.properties.dtype)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -673,11 +680,12 @@ class Reader(StorageReader):
                     continue
                 target = planner.resolve_tensor(req).detach()
                 src = fetch(key, target.device)
-                md = planner.metadata.state_dict_metadata.get(req.storage_index.fqn) \
-                    if getattr(planner, "metadata", None) is not None else None
-                if isinstance(md, TensorStorageMetadata) and src.dtype != md.properties.dtype:
-                    raise DCPMetadataError(f"{what}: stored dtype {src.dtype}, the metadata says "
-                                           f"{md.properties.dtype}")
+                want = self._chunks.get(req.storage_index)
+                if want is None:
+                    raise DCPMetadataError(f"{what}: {req.storage_index} is not a chunk of the metadata")
+                if src.shape != want[0] or src.dtype != want[1]:
+                    raise DCPMetadataError(f"{what}: stored chunk is {src.dtype} {tuple(src.shape)}, the metadata "
+                                           f"says {want[1]} {tuple(want[0])}")
                 src = _narrow(src, req.storage_offsets, req.lengths, what)
                 if target.size() != src.size():
                     raise DCPMetadataError(f"{what}: stored region {tuple(src.size())} does not fit the target "
