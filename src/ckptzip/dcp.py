@@ -1,0 +1,717 @@
+"""torch.distributed.checkpoint (DCP) storage backed by ckptzip.
+
+Usage::
+
+    import torch.distributed.checkpoint as dcp
+    from ckptzip.dcp import Writer, Reader
+
+    dcp.save(state, storage_writer=Writer("ckpt/step_100"))
+    dcp.load(state, storage_reader=Reader("ckpt/step_100"))
+
+Every rank writes ONE ``.ckz`` file (``__{rank}_0.ckz``) with :func:`ckptzip.save`, compressing
+its shards where they are (on the GPU for CUDA shards when nvCOMP is usable). The coordinator then
+writes the global metadata as JSON (``ckptzip.dcp.json``, never a pickle) and, last of all, the
+commit marker ``COMMIT``. :class:`Reader` refuses a directory without a valid marker, validates the
+JSON strictly and rebuilds DCP's ``Metadata`` from it; DCP's planner does the resharding (a
+checkpoint written by N ranks loads on M ranks). The layout is documented in ``docs/dcp.md``.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import io
+import json
+import os
+import re
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+import ckptzip
+from ckptzip.errors import CorruptFileError, PickleNotAllowedError
+from ckptzip.storage import open_for_write
+
+__all__ = ["Writer", "Reader", "consolidate", "read_metadata", "item_key", "DCPMetadataError",
+           "IncompleteCheckpointError", "METADATA_NAME", "COMMIT_NAME", "FORMAT", "FORMAT_VERSION"]
+
+METADATA_NAME = "ckptzip.dcp.json"
+COMMIT_NAME = "COMMIT"
+FORMAT = "ckptzip-dcp"
+FORMAT_VERSION = 1
+DCP_VERSION = "1.0.0"  # the DCP metadata version this layout corresponds to (FileSystemWriter's)
+MAX_METADATA_BYTES = 1 << 30
+MAX_NDIM = 64
+_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}\.ckz$")
+
+# dtype names accepted in the metadata (only those this torch defines are used).
+_DTYPE_NAMES = (
+    "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
+    "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+)
+_DTYPES = {n: getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)}
+_DTYPE_TO_NAME = {d: n for n, d in _DTYPES.items()}
+_MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
+                   "preserve_format": torch.preserve_format}
+_MF_TO_NAME = {v: k for k, v in _MEMORY_FORMATS.items()}
+
+
+class DCPMetadataError(CorruptFileError):
+    """The DCP checkpoint's JSON metadata (or commit marker) is malformed, hostile or inconsistent."""
+
+    def __str__(self) -> str:
+        # DCP's loader folds read_metadata's exception into an AssertionError message (and that
+        # into a CheckpointException): keep the error's name in the text so it stays visible.
+        return f"{type(self).__name__}: {super().__str__()}"
+
+
+class IncompleteCheckpointError(DCPMetadataError):
+    """The DCP checkpoint directory is not committed (no valid ``COMMIT`` marker, e.g. a rank died
+    mid-save), or a file the metadata references is missing or has another size."""
+
+
+def item_key(index: MetadataIndex) -> str:
+    """The key a WriteItem is stored under in its rank's .ckz file: ``fqn@o0,o1,...`` for a tensor
+    chunk at offsets (o0, o1, ...) (``fqn@`` for a 0-d tensor) and ``fqn@bytes`` for a bytes item.
+    The part after the LAST ``@`` is digits and commas or ``bytes``, so keys are unique."""
+    if index.offset is None:
+        return f"{index.fqn}@bytes"
+    return f"{index.fqn}@{','.join(str(int(o)) for o in index.offset)}"
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """WriteResult.storage_data: where one item lives."""
+    file: str
+    key: str
+    file_bytes: int
+
+
+# -- path helpers (local paths and fsspec URLs) ----------------------------------------------
+def _is_url(p: str) -> bool:
+    return "://" in p and not p.startswith("file://")
+
+
+def _local(p: str) -> str:
+    return p[len("file://"):] if p.startswith("file://") else p
+
+
+def _join(base: str, name: str) -> str:
+    if _is_url(base):
+        return base.rstrip("/") + "/" + name
+    return os.path.join(_local(base), name)
+
+
+def _fs(url: str):
+    import fsspec
+    return fsspec.core.url_to_fs(url)
+
+
+def _mkdir(base: str) -> None:
+    if _is_url(base):
+        fs, p = _fs(base)
+        fs.makedirs(p, exist_ok=True)
+    else:
+        os.makedirs(_local(base), exist_ok=True)
+
+
+def _size(path: str) -> int | None:
+    """Size of a file, or None when it does not exist."""
+    if _is_url(path):
+        fs, p = _fs(path)
+        return int(fs.size(p)) if fs.exists(p) else None
+    try:
+        st = os.stat(_local(path))
+    except FileNotFoundError:
+        return None
+    import stat
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def _read_bytes(path: str, limit: int) -> bytes | None:
+    size = _size(path)
+    if size is None:
+        return None
+    if size > limit:
+        raise DCPMetadataError(f"{path}: {size} bytes, more than the {limit} allowed")
+    if _is_url(path):
+        fs, p = _fs(path)
+        with fs.open(p, "rb") as f:
+            return f.read(limit + 1)
+    with open(_local(path), "rb") as f:
+        return f.read(limit + 1)
+
+
+def _remove(path: str) -> None:
+    try:
+        if _is_url(path):
+            fs, p = _fs(path)
+            if fs.exists(p):
+                fs.rm(p)
+        else:
+            os.unlink(_local(path))
+    except FileNotFoundError:
+        pass
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    with open_for_write(path) as f:
+        f.write(data)
+
+
+# -- metadata <-> JSON -----------------------------------------------------------------------
+def _props_to_json(p: TensorProperties) -> dict[str, Any]:
+    if p.dtype not in _DTYPE_TO_NAME:
+        raise ValueError(f"ckptzip.dcp: dtype {p.dtype} is not supported")
+    if p.layout != torch.strided:
+        raise ValueError(f"ckptzip.dcp: layout {p.layout} is not supported (strided only)")
+    return {"dtype": _DTYPE_TO_NAME[p.dtype], "layout": "strided", "requires_grad": bool(p.requires_grad),
+            "memory_format": _MF_TO_NAME.get(p.memory_format, "contiguous_format"),
+            "pin_memory": bool(p.pin_memory)}
+
+
+def _planner_data_to_json(pd: Any) -> Any:
+    """DefaultSavePlanner's planner_data: fqn -> object path (tuple of str / int). Anything else is
+    not representable without pickle and is dropped (None)."""
+    if not isinstance(pd, dict):
+        return None
+    out = {}
+    for k, path in pd.items():
+        if not isinstance(k, str) or not isinstance(path, (tuple, list)):
+            return None
+        if not all(type(x) in (str, int) for x in path):
+            return None
+        out[k] = list(path)
+    return out
+
+
+def _metadata_to_json(md: Metadata, storage: dict[MetadataIndex, _Stored], storage_meta: StorageMeta | None,
+                      files: dict[str, int]) -> dict[str, Any]:
+    sdm: dict[str, Any] = {}
+    for fqn, m in md.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            sdm[fqn] = {"type": "tensor", "properties": _props_to_json(m.properties),
+                        "size": [int(x) for x in m.size],
+                        "chunks": [{"offsets": [int(x) for x in c.offsets], "sizes": [int(x) for x in c.sizes]}
+                                   for c in m.chunks]}
+        elif isinstance(m, BytesStorageMetadata):
+            sdm[fqn] = {"type": "bytes"}
+        else:
+            raise ValueError(f"ckptzip.dcp: unsupported storage metadata {type(m).__name__} for {fqn!r}")
+    items = [{"fqn": idx.fqn, "offset": None if idx.offset is None else [int(x) for x in idx.offset],
+              "file": s.file, "key": s.key} for idx, s in storage.items()]
+    sm = None
+    if storage_meta is not None:
+        sm = {"checkpoint_id": None if storage_meta.checkpoint_id is None else os.fspath(storage_meta.checkpoint_id),
+              "save_id": storage_meta.save_id, "modules": [str(m) for m in (storage_meta.modules or [])]}
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "dcp_version": DCP_VERSION,
+            "files": {name: {"bytes": n} for name, n in sorted(files.items())},
+            "state_dict_metadata": sdm, "storage_data": items,
+            "planner_data": _planner_data_to_json(md.planner_data), "storage_meta": sm}
+
+
+def _bad(msg: str) -> DCPMetadataError:
+    return DCPMetadataError(f"DCP metadata: {msg}")
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _int_list(x: Any, what: str, ndim: int | None = None) -> list[int]:
+    if type(x) is not list or len(x) > MAX_NDIM or not all(_is_int(v) and v >= 0 for v in x):
+        raise _bad(f"{what} must be a list of at most {MAX_NDIM} non-negative ints, got {x!r:.200}")
+    if ndim is not None and len(x) != ndim:
+        raise _bad(f"{what} has {len(x)} dims, the tensor has {ndim}")
+    return x
+
+
+def _want(d: Any, keys: set[str], what: str, optional: set[str] = frozenset()) -> None:
+    if type(d) is not dict:
+        raise _bad(f"{what} must be an object, got {type(d).__name__}")
+    missing = keys - set(d)
+    extra = set(d) - keys - optional
+    if missing or extra:
+        raise _bad(f"{what}: missing fields {sorted(missing)}, unknown fields {sorted(extra)}")
+
+
+def _no_dupes(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise _bad(f"duplicate key {k!r:.200}")
+        d[k] = v
+    return d
+
+
+def _no_constant(c):
+    raise _bad(f"non-finite number {c}")
+
+
+def parse_metadata_json(raw: bytes) -> tuple[Metadata, dict[str, int]]:
+    """Validate the JSON metadata document and rebuild DCP's ``Metadata`` from it (never
+    unpickles). Returns the Metadata (``storage_data``: MetadataIndex -> ``_Stored``) and the
+    ``{file name: bytes}`` table. Raises :class:`DCPMetadataError` on anything malformed."""
+    try:
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_dupes, parse_constant=_no_constant)
+    except DCPMetadataError:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _bad(f"not valid UTF-8 JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    _want(doc, {"format", "format_version", "dcp_version", "files", "state_dict_metadata", "storage_data",
+                "planner_data", "storage_meta"}, "document")
+    if doc["format"] != FORMAT:
+        raise _bad(f"format is {doc['format']!r:.100}, not {FORMAT!r}")
+    if not _is_int(doc["format_version"]) or doc["format_version"] != FORMAT_VERSION:
+        raise _bad(f"unsupported format_version {doc['format_version']!r:.100}")
+    if doc["dcp_version"] is not None and type(doc["dcp_version"]) is not str:
+        raise _bad("dcp_version must be a string")
+
+    files: dict[str, int] = {}
+    if type(doc["files"]) is not dict:
+        raise _bad("files must be an object")
+    for name, info in doc["files"].items():
+        if not _FILE_RE.match(name) or ".." in name:
+            raise _bad(f"file name {name!r:.200} is not a plain .ckz name inside the checkpoint directory")
+        _want(info, {"bytes"}, f"files[{name!r}]")
+        if not _is_int(info["bytes"]) or info["bytes"] < 0:
+            raise _bad(f"files[{name!r}].bytes must be a non-negative int")
+        files[name] = info["bytes"]
+
+    sdm: dict[str, Any] = {}
+    if type(doc["state_dict_metadata"]) is not dict:
+        raise _bad("state_dict_metadata must be an object")
+    for fqn, m in doc["state_dict_metadata"].items():
+        w = f"state_dict_metadata[{fqn!r:.200}]"
+        if type(m) is not dict or m.get("type") not in ("tensor", "bytes"):
+            raise _bad(f"{w} must be an object with type 'tensor' or 'bytes'")
+        if m["type"] == "bytes":
+            _want(m, {"type"}, w)
+            sdm[fqn] = BytesStorageMetadata()
+            continue
+        _want(m, {"type", "properties", "size", "chunks"}, w)
+        p = m["properties"]
+        _want(p, {"dtype", "layout", "requires_grad", "memory_format", "pin_memory"}, f"{w}.properties")
+        if type(p["dtype"]) is not str or p["dtype"] not in _DTYPES:
+            raise _bad(f"{w}: dtype {p['dtype']!r:.100} is not an allowed dtype name")
+        if p["layout"] != "strided":
+            raise _bad(f"{w}: layout {p['layout']!r:.100} is not 'strided'")
+        if type(p["memory_format"]) is not str or p["memory_format"] not in _MEMORY_FORMATS:
+            raise _bad(f"{w}: memory_format {p['memory_format']!r:.100} is not allowed")
+        if type(p["requires_grad"]) is not bool or type(p["pin_memory"]) is not bool:
+            raise _bad(f"{w}: requires_grad and pin_memory must be booleans")
+        size = _int_list(m["size"], f"{w}.size")
+        if type(m["chunks"]) is not list:
+            raise _bad(f"{w}.chunks must be a list")
+        chunks = []
+        for i, c in enumerate(m["chunks"]):
+            _want(c, {"offsets", "sizes"}, f"{w}.chunks[{i}]")
+            offs = _int_list(c["offsets"], f"{w}.chunks[{i}].offsets", len(size))
+            sizes = _int_list(c["sizes"], f"{w}.chunks[{i}].sizes", len(size))
+            if any(o + s > n for o, s, n in zip(offs, sizes, size)):
+                raise _bad(f"{w}.chunks[{i}] (offsets {offs}, sizes {sizes}) lies outside the tensor size {size}")
+            chunks.append(ChunkStorageMetadata(offsets=torch.Size(offs), sizes=torch.Size(sizes)))
+        props = TensorProperties(dtype=_DTYPES[p["dtype"]], layout=torch.strided,
+                                 requires_grad=p["requires_grad"],
+                                 memory_format=_MEMORY_FORMATS[p["memory_format"]], pin_memory=p["pin_memory"])
+        sdm[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
+
+    storage: dict[MetadataIndex, _Stored] = {}
+    if type(doc["storage_data"]) is not list:
+        raise _bad("storage_data must be a list")
+    keys_seen: set[tuple[str, str]] = set()
+    for i, it in enumerate(doc["storage_data"]):
+        w = f"storage_data[{i}]"
+        _want(it, {"fqn", "offset", "file", "key"}, w)
+        fqn, off, file, key = it["fqn"], it["offset"], it["file"], it["key"]
+        if type(fqn) is not str or fqn not in sdm:
+            raise _bad(f"{w}: fqn {fqn!r:.200} is not in state_dict_metadata")
+        if type(file) is not str or file not in files:
+            raise _bad(f"{w}: file {file!r:.200} is not listed in files")
+        if type(key) is not str or (file, key) in keys_seen:
+            raise _bad(f"{w}: key {key!r:.200} is not a string or is used twice in {file}")
+        keys_seen.add((file, key))
+        m = sdm[fqn]
+        if isinstance(m, BytesStorageMetadata):
+            if off is not None:
+                raise _bad(f"{w}: a bytes item has no offset")
+            idx = MetadataIndex(fqn)
+        else:
+            off = _int_list(off, f"{w}.offset", len(m.size))
+            if not any(list(c.offsets) == off for c in m.chunks):
+                raise _bad(f"{w}: offset {off} is not the offset of a chunk of {fqn!r:.200}")
+            idx = MetadataIndex(fqn, off)
+        if idx in storage:
+            raise _bad(f"{w}: {fqn!r:.200} at {off} is stored twice")
+        storage[idx] = _Stored(file=file, key=key, file_bytes=files[file])
+    for fqn, m in sdm.items():  # every saved chunk / bytes item must be stored somewhere
+        idxs = [MetadataIndex(fqn)] if isinstance(m, BytesStorageMetadata) else \
+            [MetadataIndex(fqn, c.offsets) for c in m.chunks]
+        for idx in idxs:
+            if idx not in storage:
+                raise _bad(f"{fqn!r:.200} at offset {idx.offset} has no storage_data entry")
+
+    pd = doc["planner_data"]
+    planner_data = None
+    if pd is not None:
+        if type(pd) is not dict:
+            raise _bad("planner_data must be an object or null")
+        planner_data = {}
+        for k, path in pd.items():
+            if k not in sdm or type(path) is not list or not path or len(path) > 256 or \
+                    not all(type(x) is str or _is_int(x) for x in path):
+                raise _bad(f"planner_data[{k!r:.200}] must be a non-empty list of str / int for a known fqn")
+            planner_data[k] = tuple(path)
+
+    sm = doc["storage_meta"]
+    storage_meta = StorageMeta()
+    if sm is not None:
+        _want(sm, {"checkpoint_id", "save_id", "modules"}, "storage_meta")
+        if not all(v is None or type(v) is str for v in (sm["checkpoint_id"], sm["save_id"])) or \
+                type(sm["modules"]) is not list or not all(type(x) is str for x in sm["modules"]):
+            raise _bad("storage_meta fields have wrong types")
+        storage_meta = StorageMeta(checkpoint_id=sm["checkpoint_id"], save_id=sm["save_id"], modules=sm["modules"])
+    md = Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage,
+                  storage_meta=storage_meta, version=doc["dcp_version"])
+    return md, files
+
+
+def _check_commit(path: str, raw: bytes) -> None:
+    marker = _read_bytes(_join(path, COMMIT_NAME), 1 << 16)
+    if marker is None:
+        raise IncompleteCheckpointError(
+            f"{path}: no {COMMIT_NAME} marker: the checkpoint was not completed (a rank may have died mid-save)")
+    try:
+        doc = json.loads(marker.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise IncompleteCheckpointError(f"{path}: {COMMIT_NAME} marker is not valid JSON ({e})") from None
+    if type(doc) is not dict or doc.get("format") != FORMAT or type(doc.get("metadata_sha256")) is not str:
+        raise IncompleteCheckpointError(f"{path}: {COMMIT_NAME} marker is malformed")
+    if doc["metadata_sha256"] != hashlib.sha256(raw).hexdigest():
+        raise IncompleteCheckpointError(
+            f"{path}: {COMMIT_NAME} marker does not match {METADATA_NAME} (a later save was interrupted)")
+
+
+def read_metadata(path: str | os.PathLike, *, check_files: bool = True) -> Metadata:
+    """Read, check and rebuild the DCP ``Metadata`` of a ckptzip DCP checkpoint directory.
+
+    Raises :class:`IncompleteCheckpointError` without a valid commit marker or when a referenced
+    file is missing / of another size, :class:`DCPMetadataError` for malformed metadata."""
+    path = os.fspath(path)
+    raw = _read_bytes(_join(path, METADATA_NAME), MAX_METADATA_BYTES)
+    if raw is None:
+        if _size(_join(path, COMMIT_NAME)) is None:
+            raise IncompleteCheckpointError(f"{path}: no {METADATA_NAME} and no {COMMIT_NAME}: not a committed "
+                                            "ckptzip DCP checkpoint")
+        raise IncompleteCheckpointError(f"{path}: {METADATA_NAME} is missing")
+    _check_commit(path, raw)
+    md, files = parse_metadata_json(raw)
+    if check_files:
+        for name, n in files.items():
+            got = _size(_join(path, name))
+            if got is None:
+                raise IncompleteCheckpointError(f"{path}: rank file {name} is missing")
+            if got != n:
+                raise IncompleteCheckpointError(f"{path}: rank file {name} has {got} bytes, the metadata says {n}")
+    return md
+
+
+# -- writer ------------------------------------------------------------------------------------
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that owns exactly its bytes (views of larger storages are copied, so a rank file
+    never holds a whole storage for a slice of it)."""
+    t = t.detach()
+    if t.is_contiguous() and t.storage_offset() == 0 and \
+            t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+class Writer(StorageWriter):
+    """DCP ``StorageWriter`` writing one ckptzip ``.ckz`` file per rank plus JSON metadata and a
+    commit marker. ``codec``, ``portable`` and ``save_kwargs`` go to :func:`ckptzip.save`."""
+
+    def __init__(self, path: str | os.PathLike, *, codec: str | dict = "auto", portable: bool = False,
+                 **save_kwargs: Any) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.codec = codec
+        self.portable = portable
+        self.save_kwargs = save_kwargs
+        self.save_id = uuid.uuid4().hex
+        self.is_coordinator = False
+        self.rank = 0
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank") or 0
+        if kwargs.get("use_collectives", True) is False:
+            raise NotImplementedError("ckptzip.dcp.Writer needs use_collectives=True (the coordinator writes "
+                                      "the global metadata and the commit marker)")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        _mkdir(self.path)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Coordinator only, before any rank writes: un-commit what this directory held before, so
+        # an interrupted overwrite can never look complete.
+        _remove(_join(self.path, COMMIT_NAME))
+        _remove(_join(self.path, METADATA_NAME))
+        return [replace(p, storage_data={"ckptzip_file": f"__{i}_0.ckz"}) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        fut: Future = Future()
+        if not plan.items:
+            fut.set_result([])
+            return fut
+        name = plan.storage_data["ckptzip_file"]
+        if not _FILE_RE.match(name):
+            raise ValueError(f"bad rank file name {name!r}")
+        obj: dict[str, torch.Tensor] = {}
+        sizes: dict[str, int] = {}
+        keys: dict[str, Any] = {}
+        for item in plan.items:
+            key = item_key(item.index)
+            if key in obj:
+                raise ValueError(f"ckptzip.dcp: two write items map to the key {key!r}")
+            data = planner.resolve_data(item)
+            if isinstance(data, io.BytesIO):
+                raw = data.getvalue()
+                t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            elif isinstance(data, torch.Tensor):
+                t = _own(data)
+            else:
+                raise TypeError(f"ckptzip.dcp: resolve_data gave {type(data).__name__} for {item.index.fqn!r}")
+            obj[key] = t
+            sizes[key] = t.numel() * t.element_size()
+            keys[key] = item.index
+        summary = ckptzip.save(obj, _join(self.path, name), codec=self.codec, portable=self.portable,
+                               metadata={"ckptzip.dcp": "rank file", "rank": str(self.rank)}, **self.save_kwargs)
+        nbytes = int(summary["stored_bytes"])
+        results = [WriteResult(index=keys[k], size_in_bytes=sizes[k], storage_data=_Stored(name, k, nbytes))
+                   for k in obj]
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        # Runs on the coordinator after DCP gathered every rank's write results: every rank file
+        # is complete and durable (ckptzip.save fsyncs before it returns). Metadata first, then
+        # the commit marker, each atomically.
+        storage: dict[MetadataIndex, _Stored] = {}
+        files: dict[str, int] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                s = wr.storage_data
+                storage[wr.index] = s
+                files[s.file] = s.file_bytes
+        doc = _metadata_to_json(metadata, storage, self.storage_meta(), files)
+        raw = json.dumps(doc, separators=(",", ":"), sort_keys=False).encode("utf-8")
+        parse_metadata_json(raw)  # never commit something the reader would refuse
+        _write_atomic(_join(self.path, METADATA_NAME), raw)
+        marker = {"format": FORMAT, "format_version": FORMAT_VERSION,
+                  "metadata_sha256": hashlib.sha256(raw).hexdigest(), "save_id": self.save_id}
+        _write_atomic(_join(self.path, COMMIT_NAME), json.dumps(marker).encode("utf-8"))
+        metadata.version = DCP_VERSION
+        metadata.storage_data = storage
+
+
+# -- reader ------------------------------------------------------------------------------------
+def _narrow(t: torch.Tensor, offsets, lengths, what: str) -> torch.Tensor:
+    if len(offsets) != t.dim() or len(lengths) != t.dim():
+        raise DCPMetadataError(f"{what}: request of {len(offsets)} dims for a stored chunk of {t.dim()}")
+    for d, (o, n) in enumerate(zip(offsets, lengths)):
+        if o < 0 or n < 0 or o + n > t.shape[d]:
+            raise DCPMetadataError(f"{what}: request [{o}, {o + n}) outside dim {d} of size {t.shape[d]}")
+        t = t.narrow(d, o, n)
+    return t
+
+
+def _safe_bytes(raw: bytes, what: str) -> io.BytesIO:
+    """Bytes items are torch.save payloads that DCP's DefaultLoadPlanner.load_bytes reads with
+    ``torch.load(weights_only=False)``. Without allow_pickle we first load them with
+    ``weights_only=True`` (PyTorch's restricted unpickler: no arbitrary globals), then hand the
+    planner a fresh torch.save of the result, so the planner never sees the original pickle."""
+    try:
+        obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise PickleNotAllowedError(
+            f"{what}: this bytes item needs full unpickling ({type(e).__name__}: {str(e)[:300]}); "
+            "pass Reader(..., allow_pickle=True) if you trust the checkpoint") from None
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+class Reader(StorageReader):
+    """DCP ``StorageReader`` for checkpoints written by :class:`Writer`. Never unpickles the
+    metadata; bytes items are loaded through ``torch.load(weights_only=True)`` unless
+    ``allow_pickle=True``. ``cache_bytes`` bounds decoded data kept between read items of one file."""
+
+    def __init__(self, path: str | os.PathLike, *, allow_pickle: bool = False, cache_bytes: int = 1 << 30) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.allow_pickle = allow_pickle
+        self.cache_bytes = cache_bytes
+        self.storage_data: dict[MetadataIndex, _Stored] = {}
+        self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
+        self.load_id = uuid.uuid4().hex
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.load_id = uuid.uuid4().hex
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    def read_metadata(self) -> Metadata:  # no **kwargs: no fallback to per-rank metadata
+        md = read_metadata(self.path)
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(metadata.storage_data, dict):
+            raise DCPMetadataError("metadata has no ckptzip storage_data")
+        self.storage_data = metadata.storage_data
+        # what each stored chunk must be: (sizes, dtype), checked against the decoded tensor
+        self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
+        for fqn, m in metadata.state_dict_metadata.items():
+            if isinstance(m, TensorStorageMetadata):
+                for c in m.chunks:
+                    self._chunks[MetadataIndex(fqn, c.offsets)] = (torch.Size(c.sizes), m.properties.dtype)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list] = collections.defaultdict(list)
+        for req in plan.items:
+            s = self.storage_data.get(req.storage_index)
+            if s is None:
+                raise DCPMetadataError(f"no stored item for {req.storage_index}")
+            per_file[s.file].append((s.key, req))
+        for name, reqs in per_file.items():
+            reqs.sort(key=lambda kr: kr[0])  # read items of one stored chunk are served in a row
+            self._read_file(name, reqs, planner)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_file(self, name: str, reqs: list, planner: LoadPlanner) -> None:
+        path = _join(self.path, name)
+        readers: dict[str, Any] = {}  # device -> [CheckpointReader, bytes decoded through it]
+        cache: collections.OrderedDict[tuple[str, str], torch.Tensor] = collections.OrderedDict()
+        cached = 0
+
+        def fetch(key: str, device: torch.device) -> torch.Tensor:
+            nonlocal cached
+            ck = (key, str(device))
+            if ck in cache:
+                cache.move_to_end(ck)
+                return cache[ck]
+            ent = readers.get(str(device))
+            # CheckpointReader keeps what it decoded until closed: reopen it past the budget.
+            if ent is not None and ent[1] > self.cache_bytes:
+                ent[0].close()
+                ent = None
+            if ent is None:
+                ent = readers[str(device)] = [ckptzip.open(path, map_location=device), 0]
+            try:
+                t = ent[0].get_tensor(key)
+            except KeyError:
+                raise DCPMetadataError(f"{path}: holds no item {key!r}") from None
+            if not isinstance(t, torch.Tensor):
+                raise DCPMetadataError(f"{path}: item {key!r} is not a tensor")
+            n = t.numel() * t.element_size()
+            ent[1] += n
+            cache[ck] = t
+            cached += n
+            while cached > self.cache_bytes and len(cache) > 1:
+                _, old = cache.popitem(last=False)
+                cached -= old.numel() * old.element_size()
+            return t
+
+        try:
+            for key, req in reqs:
+                what = f"{name}:{key}"
+                if req.type == LoadItemType.BYTE_IO:
+                    t = fetch(key, torch.device("cpu"))
+                    if t.dtype != torch.uint8 or t.dim() != 1:
+                        raise DCPMetadataError(f"{what}: a bytes item must be a 1-d uint8 tensor")
+                    raw = t.numpy().tobytes()
+                    buf = io.BytesIO(raw) if self.allow_pickle else _safe_bytes(raw, what)
+                    planner.load_bytes(req, buf)
+                    continue
+                target = planner.resolve_tensor(req).detach()
+                src = fetch(key, target.device)
+                want = self._chunks.get(req.storage_index)
+                if want is None:
+                    raise DCPMetadataError(f"{what}: {req.storage_index} is not a chunk of the metadata")
+                if src.shape != want[0] or src.dtype != want[1]:
+                    raise DCPMetadataError(f"{what}: stored chunk is {src.dtype} {tuple(src.shape)}, the metadata "
+                                           f"says {want[1]} {tuple(want[0])}")
+                src = _narrow(src, req.storage_offsets, req.lengths, what)
+                if target.size() != src.size():
+                    raise DCPMetadataError(f"{what}: stored region {tuple(src.size())} does not fit the target "
+                                           f"{tuple(target.size())}")
+                target.copy_(src)
+                planner.commit_tensor(req, target)
+        finally:
+            for ent in readers.values():
+                ent[0].close()
+
+
+# -- consolidation -------------------------------------------------------------------------------
+def consolidate(path: str | os.PathLike, out_path: str | os.PathLike, *, allow_pickle: bool = False,
+                **save_kwargs: Any) -> dict[str, Any]:
+    """Read the DCP checkpoint in ``path`` (written by :class:`Writer`) in this process (no process
+    group needed) and write ONE .ckz file with the full, unsharded state dict, nested as it was
+    saved (e.g. ``{"model": {...}, "optim": {...}}``), which :func:`ckptzip.load` reads without
+    torch.distributed. Holds the whole state in host memory. Returns :func:`ckptzip.save`'s
+    summary."""
+    # As torch's own format_utils.dcp_to_torch_save does (dcp.load keeps only the keys of the
+    # state dict it is given, so the empty-state-dict planner goes through _load_state_dict).
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    sd: dict[str, Any] = {}
+    _load_state_dict(sd, storage_reader=Reader(path, allow_pickle=allow_pickle),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return ckptzip.save(sd, out_path, **save_kwargs)
+
