@@ -184,7 +184,7 @@ def _nonneg_int(s: str) -> int:
 
 
 def _gpu_usable() -> bool:
-    from .planner import gpu_ok
+    from .engine import gpu_ok
     return gpu_ok()
 
 
