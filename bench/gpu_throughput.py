@@ -26,6 +26,8 @@ def measure(t: torch.Tensor, codec="auto", reps=10, portable=False, device="cuda
     codec, and packing every chunk's chosen bytes into one buffer (what ``async_save`` keeps as
     its snapshot). Decompress: from those packed buffers, raw copies + codec + inverse transform
     into the destination. Checks the round trip."""
+    from ckptzip.kernels import triton_kernels
+    triton_kernels(wait=True)  # steady-state figures: the kernels, not the first-save torch path
     ref = ref_of(t)
     win = gpu_window() if device == "cuda" else DEFAULT_WINDOW
     plan = Planner(codec, "auto", 1 << 20, None, device, portable).plan_all([ref], win)[0]

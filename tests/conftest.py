@@ -22,6 +22,14 @@ def cuda_ok() -> bool:
     return gpu_available()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _triton_ready():
+    """GPU tests exercise the Triton kernels, not the torch path a process uses while they compile."""
+    if cuda_ok():
+        from ckptzip.kernels import triton_kernels
+        triton_kernels(wait=True)
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU with nvCOMP")
     if not cuda_ok():

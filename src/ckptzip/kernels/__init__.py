@@ -1,25 +1,99 @@
 """GPU kernels (Triton) shared by the transforms and the engine's segment copies.
 
 :func:`triton_kernels` returns the kernel module, or None where Triton cannot run (no CUDA, no
-Triton, or ``CKPTZIP_NO_TRITON=1``); every caller then uses its torch / numpy path, which
-produces the same bytes.
+Triton, or ``CKPTZIP_NO_TRITON=1``) or is not ready yet; every caller then uses its torch /
+numpy path, which produces the same bytes.
+
+Compiling the kernels takes seconds in a fresh process with an empty Triton cache (measured on
+an H100: a first save of the 1.2 GB benchmark state took 4.5 s with them, 1.2 s with the torch
+path; torch.save 1.7 s). So the first call starts compiling them in a background thread, on tiny
+inputs of every specialization ckptzip launches, and returns None until that is done: the first
+save of a process runs on the torch path, later ones on the kernels. ``wait=True`` blocks until
+they are ready (tests, benchmarks); ``CKPTZIP_TRITON_WARMUP=0`` compiles on first use instead.
 """
 from __future__ import annotations
 
 import os
+import threading
 
-_TRITON: object = False
+_MOD: object = False  # False: not tried; None: unavailable; else the module
+_READY = threading.Event()
+_LOCK = threading.Lock()
+_STARTED = False
 
 
-def triton_kernels():
-    """The Triton kernel module (byteplane encode/decode, segment copies), or None."""
-    global _TRITON
-    if _TRITON is False:
+def _load():
+    global _MOD
+    if _MOD is False:
         try:
             if os.environ.get("CKPTZIP_NO_TRITON") == "1":
                 raise ImportError
             from . import _triton_bp
-            _TRITON = _triton_bp
+            _MOD = _triton_bp
         except Exception:
-            _TRITON = None
-    return _TRITON
+            _MOD = None
+    return _MOD
+
+
+def _warm(device: int) -> None:
+    """Compile every kernel specialization ckptzip launches, on tiny inputs, on a side stream."""
+    global _MOD
+    try:
+        import numpy as np
+        import torch
+        mod = _load()
+        if mod is None:
+            return
+        with torch.cuda.device(device):
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                for width in (2, 4, 8):
+                    for n in (4096, 4100):  # word counts divisible by 16, and not
+                        for block in (1 << 20, 4099):
+                            x = torch.zeros(n * width, dtype=torch.uint8, device="cuda")
+                            y = mod.encode(x, width, block)
+                            mod.decode(y, torch.empty_like(x), width, block)
+                a = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
+                offs = np.array([0, 64], dtype=np.int64)
+                lens = np.array([32, 17], dtype=np.int64)
+                mod.copy_segments(a, offs, a[1 << 15:], offs, lens, (lens + 15) // 16 * 16)
+                mod.copy_segments(a, offs + 1, a[(1 << 15) + 1:], offs, lens)
+            s.synchronize()
+    except Exception:  # a kernel that fails to compile: every caller keeps the torch path
+        _MOD = None
+    finally:
+        _READY.set()
+
+
+def triton_kernels(wait: bool = False):
+    """The Triton kernel module (byteplane encode/decode, segment copies), or None (unavailable,
+    or still compiling unless ``wait``)."""
+    if _READY.is_set():
+        return _MOD or None
+    if os.environ.get("CKPTZIP_TRITON_WARMUP") == "0":
+        mod = _load()
+        _READY.set()
+        return mod
+    _start()
+    if wait:
+        _READY.wait()
+        return _MOD or None
+    return None
+
+
+def _start() -> None:
+    global _STARTED, _MOD
+    with _LOCK:
+        if _STARTED:
+            return
+        _STARTED = True
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            raise RuntimeError
+        dev = torch.cuda.current_device()
+    except Exception:
+        _MOD = None
+        _READY.set()
+        return
+    threading.Thread(target=_warm, args=(dev,), name="ckptzip-triton-warmup", daemon=True).start()
