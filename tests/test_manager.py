@@ -124,10 +124,12 @@ def test_stale_temp_files_of_killed_saves_are_removed(tmp_path):
     other.write_bytes(b"x")
     _age(other, 7200)
     m = CheckpointManager(tmp_path, keep_last=2)
+    assert m.steps() == [] and all((tmp_path / n).exists() for n in names)  # listing deletes nothing
+    m.save(1, st(1))  # cleaned before each save
     assert not any((tmp_path / n).exists() for n in names)
     assert fresh.exists() and other.exists()
     _age(fresh, 7200)
-    m.save(1, st(1))  # also cleaned before each save
+    assert m.clean_stale_temp() == [fresh.name]
     assert not fresh.exists() and other.exists()
     assert m.steps() == [1]
 

@@ -12,7 +12,8 @@ A damaged directory never breaks the manager: every marker is validated strictly
 ``load()`` and rotation, and reported by ``entries()`` / ``problems()``. Several processes may
 rotate one directory: files that someone else already removed are not an error. Temporary files
 left by a killed local save (``.step-*.ckz.*.tmp`` and ``.step-*.commit.*.tmp``, the naming of
-:func:`ckptzip.storage.atomic_write`) are removed once older than ``stale_temp_s``.
+:func:`ckptzip.storage.atomic_write`) are removed by the next save once older than
+``stale_temp_s``.
 """
 from __future__ import annotations
 
@@ -87,8 +88,8 @@ class CheckpointManager:
 
     ``stale_temp_s`` (seconds, or None to never clean; default 3600): temporary files of a local
     save that was killed (``.step-*.ckz.*.tmp``, ``.step-*.commit.*.tmp`` and ``*.tmp.old``)
-    whose last modification is older than this are removed when the manager is created and
-    before each save. A save still writing touches its temp file continuously; only a save
+    whose last modification is older than this are removed before each save (listing and
+    loading never delete anything; :meth:`clean_stale_temp` cleans on demand). A save still writing touches its temp file continuously; only a save
     paused for longer than this (e.g. a stopped process) could lose its temp file, and it then
     fails loudly at the rename instead of committing.
 
@@ -114,7 +115,6 @@ class CheckpointManager:
         if create:
             self.fs.makedirs(self.root, exist_ok=True)
         self._pending: SaveHandle | None = None
-        self.clean_stale_temp()
 
     # -- names ------------------------------------------------------------------------------
     def _join(self, name: str) -> str:
