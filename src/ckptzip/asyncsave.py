@@ -11,11 +11,25 @@ Without a GPU the snapshot is a copy of the raw bytes into the arena and compres
 background. The arena is reused by the next save and grows only when a checkpoint needs more than
 it holds, so its size is bounded by the largest snapshot. One save is in flight at a time: a new
 ``async_save`` first waits for the previous one.
+
+Pending saves are never dropped at exit. When the script ends, or dies of an uncaught exception,
+before ``wait()``, the interpreter waits for every pending save to complete before it shuts down
+(a hook that runs before ``concurrent.futures`` stops accepting work, which the writer needs).
+If the script exits while a save is still running, one line on stderr says what it is waiting
+for. A save that failed and whose error nobody saw (through ``SaveHandle.wait()`` or a later
+``async_save``) is reported at exit on stderr with its traceback, and the exit status becomes 1.
+Only ``os._exit``, a signal that kills the process, or a crash can still lose a pending save.
+Local files are written atomically, so in that case the previous file at the path stays intact.
 """
 from __future__ import annotations
 
+import atexit
+import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours: see below)
+import os
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from typing import Any
 
@@ -60,35 +74,141 @@ ARENA = Arena()
 _LAST: "SaveHandle | None" = None
 _LAST_LOCK = threading.Lock()
 
+# Handles whose outcome still matters at exit: running, or failed with nobody told yet.
+_PENDING: "set[SaveHandle]" = set()
+_PENDING_LOCK = threading.Lock()
+_EXIT_FAILED = False
+
 
 class SaveHandle:
-    """The future of one ``async_save``. ``wait()`` returns the save summary or raises the error
-    the background write met; ``done()`` polls; ``stall_s`` is how long the caller was blocked."""
+    """The future of one background save (from :func:`async_save` or an asynchronous
+    :meth:`CheckpointManager.save <ckptzip.CheckpointManager.save>`).
+
+    Attributes: ``path`` (str: where the checkpoint is written), ``stall_s`` (float, seconds: how
+    long the call that started the save blocked the caller, i.e. the snapshot time).
+
+    ``wait(timeout=None)`` blocks until the save is complete and returns its summary
+    ``{"raw_bytes": int, "stored_bytes": int, "path": str}`` (bytes), or raises the exception the
+    background write met (the original exception, e.g. ``OSError`` for a full disk). ``timeout``
+    is in seconds (None: no limit); on expiry it raises ``TimeoutError`` and the save goes on.
+    ``wait()`` may be called any number of times. ``done()`` polls without blocking.
+
+    A save is never dropped silently: if it fails and ``wait()`` is never called, the error is
+    raised by the next :func:`async_save` instead, or reported on stderr at interpreter exit
+    (with exit status 1). At exit, a save still running is waited for.
+    """
 
     def __init__(self) -> None:
         self._done = threading.Event()
         self._result: dict | None = None
         self._error: BaseException | None = None
+        self._reported = False  # the error was raised to somebody (wait() or the next async_save)
         self.stall_s = 0.0
         self.path: str | None = None
 
     def done(self) -> bool:
+        """True once the save has completed or failed (never blocks)."""
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> dict:
+        """Block until the save ends (``timeout`` in seconds, None: no limit); return its
+        summary or raise its error. Raises ``TimeoutError`` if ``timeout`` expires first."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"checkpoint {self.path} still being written")
         if self._error is not None:
+            self._mark_reported()
             raise self._error
         return self._result
+
+    def _mark_reported(self) -> None:
+        self._reported = True
+        with _PENDING_LOCK:
+            _PENDING.discard(self)
+
+    def _start(self, fn, name: str) -> None:
+        """Run ``fn`` in a new (non-daemon) thread; the exit hook waits for it."""
+        with _PENDING_LOCK:
+            _PENDING.add(self)
+        try:
+            threading.Thread(target=self._run, args=(fn,), name=name).start()
+        except BaseException:
+            with _PENDING_LOCK:
+                _PENDING.discard(self)
+            raise
 
     def _run(self, fn) -> None:
         try:
             self._result = fn()
-        except BaseException as e:  # surfaced on wait()
+        except BaseException as e:  # surfaced on wait(), the next async_save, or at exit
             self._error = e
         finally:
+            if self._error is None:
+                with _PENDING_LOCK:
+                    _PENDING.discard(self)
             self._done.set()
+
+
+def _finish_pending_saves() -> None:
+    """Exit hook: wait for every background save, and report the failures nobody was told of.
+
+    Registered with ``threading._register_atexit``: it runs at interpreter exit (normal end,
+    ``sys.exit`` or an uncaught exception, after its traceback is printed) in the main thread,
+    before the non-daemon threads are joined and, because such hooks run in reverse order of
+    registration and ours is registered after ``concurrent.futures``' own, before thread pools
+    refuse new work. (Waiting in a plain ``atexit`` hook, or relying on the join of the
+    non-daemon writer thread, is too late: the writer's pools are shut down by then and the
+    save dies with "cannot schedule new futures after interpreter shutdown".)"""
+    global _EXIT_FAILED
+    with _PENDING_LOCK:
+        pending = list(_PENDING)
+    running = [h for h in pending if not h.done()]
+    if running:
+        print(f"ckptzip: waiting for {len(running)} checkpoint save(s) to finish before exit: "
+              + ", ".join(str(h.path) for h in running), file=sys.stderr, flush=True)
+    try:
+        for h in pending:
+            h._done.wait()
+    except KeyboardInterrupt:
+        lost = [str(h.path) for h in pending if not h.done()]
+        print("\n" + "!" * 78 + "\nckptzip: INTERRUPTED while finishing checkpoint saves at exit; "
+              f"NOT saved: {', '.join(lost)}\n" + "!" * 78, file=sys.stderr, flush=True)
+        _EXIT_FAILED = True
+        return
+    with _PENDING_LOCK:
+        failed = [h for h in _PENDING if h.done() and h._error is not None and not h._reported]
+        _PENDING.clear()
+    for h in failed:
+        h._reported = True
+        tb = "".join(traceback.format_exception(type(h._error), h._error, h._error.__traceback__))
+        print("\n" + "!" * 78 + f"\nckptzip: CHECKPOINT NOT SAVED: the background save to {h.path} "
+              f"failed and its error was never collected (SaveHandle.wait() was not called):\n{tb}"
+              + "!" * 78, file=sys.stderr, flush=True)
+    if failed:
+        _EXIT_FAILED = True
+
+
+def _exit_status() -> None:
+    """Plain ``atexit`` hook (registered at import, so it runs after the hooks of libraries
+    imported later): make the exit status 1 when a checkpoint was lost at exit. Python offers no
+    way to change the exit status this late other than ``os._exit``, which skips what is left
+    of interpreter shutdown; stdio and logging are flushed first."""
+    if not _EXIT_FAILED:
+        return
+    try:
+        import logging
+        logging.shutdown()
+    except Exception:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(1)
+
+
+threading._register_atexit(_finish_pending_saves)
+atexit.register(_exit_status)
 
 
 class _OnGPU:
@@ -177,18 +297,49 @@ def async_save(obj: Any, path, *, codec: str | dict = "auto", transform: str | N
                allow_pickle: bool = False, fsync: bool = True, progress=None, device: str | None = None,
                portable: bool = False, storage_gbps: float | None = None, window: int | None = None,
                reuse_plan: bool = True, gpu_snapshot_bytes: int | None = None) -> SaveHandle:
-    """Like :func:`ckptzip.save` (same arguments), but returns once a consistent snapshot is taken
-    (see the module docstring); the write goes on in the background. Errors surface on
-    ``handle.wait()``. ``reuse_plan``: reuse the codec choices sampled for an earlier save of the
-    same layout (the usual case in a training loop), keeping sampling out of the stall.
-    ``gpu_snapshot_bytes``: how much GPU memory the compressed snapshot may hold until the
-    background thread has copied it to the host (default: a quarter of the free GPU memory);
-    groups beyond it are copied to the host before this call returns (a longer stall)."""
+    """Like :func:`ckptzip.save` (same arguments, same defaults), but return a
+    :class:`SaveHandle` as soon as a consistent snapshot of ``obj`` is taken; compression (on
+    the CPU), the file write, fsync and the atomic rename go on in a background thread. After
+    the call returns, ``obj``'s tensors may be modified freely.
+
+    Arguments shared with :func:`ckptzip.save`: ``path`` (local path or fsspec URL),
+    ``codec`` (default ``"auto"``), ``transform`` (``"auto"``, ``"byteplane"`` or None; default
+    ``"auto"``), ``chunk_size`` (bytes per chunk, 64 B to 16 MiB; default 1 MiB),
+    ``level`` (CPU zstd 1-22 / deflate 1-9; default None: the codec's default, 3 / 6),
+    ``metadata`` (str -> str mapping stored in the manifest; default none), ``allow_pickle``
+    (default False), ``fsync`` (default True: fsync the file and its directory before the save
+    counts as done), ``progress`` (called as ``progress(bytes_done, total_bytes)`` from the
+    background thread, bytes of raw data; default None), ``device`` (``"cpu"``, ``"cuda"`` or None:
+    the GPU when nvCOMP is usable), ``portable`` (default False), ``storage_gbps`` (GB/s, the
+    write bandwidth you expect; default None), ``window`` (bytes of data encoded per group;
+    default None: 64 MiB on the CPU, sized from free memory on the GPU).
+
+    Async-only arguments: ``reuse_plan`` (default True): reuse the codec choices sampled for an
+    earlier save of the same layout (the usual case in a training loop), keeping sampling out of
+    the stall. ``gpu_snapshot_bytes`` (bytes; default None: a quarter of the free GPU memory): how
+    much GPU memory the compressed snapshot may hold until the background thread has copied it
+    to the host; groups beyond it are copied to the host before this call returns (a longer
+    stall). Ignored without a GPU.
+
+    One save is in flight at a time: the call first waits for the previous ``async_save``. If
+    that one failed and its error was not yet raised by its ``wait()``, this call raises that
+    error (the original exception, with a note naming its path) and does *not* start the new
+    save; call again to retry. Errors of this save surface on ``handle.wait()``, on the next
+    ``async_save``, or at interpreter exit (see the module docstring: pending saves are completed
+    at exit, never dropped silently). Host memory: a reused staging arena of up to the raw size
+    of ``obj`` (the compressed size on a GPU)."""
     global _LAST
     with _LAST_LOCK:
         prev = _LAST
     if prev is not None:
         prev._done.wait()  # the arena is reused: one save in flight at a time
+        if prev._error is not None and not prev._reported:
+            prev._mark_reported()
+            err = prev._error
+            if hasattr(err, "add_note"):  # Python 3.11+
+                err.add_note(f"(raised by async_save: the previous background save to {prev.path} "
+                             "failed; the new save was not started)")
+            raise err
     t0 = time.perf_counter()
     prep = prepare(obj, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
                     storage_gbps, window, reuse_plan)
@@ -196,9 +347,7 @@ def async_save(obj: Any, path, *, codec: str | dict = "auto", transform: str | N
     handle = SaveHandle()
     handle.path = str(path)
     handle.stall_s = time.perf_counter() - t0
-    t = threading.Thread(target=handle._run, args=(lambda: write(prep, path, fsync, progress, staged),),
-                         name="ckptzip-async-save")
-    t.start()
+    handle._start(lambda: write(prep, path, fsync, progress, staged), "ckptzip-async-save")
     with _LAST_LOCK:
         _LAST = handle
     return handle
