@@ -173,6 +173,8 @@ def quantize(w: torch.Tensor, scheme: str | Scheme, *, search: bool = True,
     ``search=False`` is plain round-to-nearest from min/max (the clipping ratio 1.0 only)."""
     sc = parse_scheme(scheme)
     check_scheme_dtype(name, w, sc)
+    if sc.kind == "int" and w.shape[-1] < sc.group:  # a row shorter than the group: smaller groups, less padding
+        sc = Scheme("int", sc.bits, next(g for g in (32, 64, 128) if g >= w.shape[-1] or g == sc.group), sc.sym)
     shape = list(w.shape)
     q: dict[str, Any] = {"scheme": sc.name, "kind": sc.kind, "bits": sc.bits, "group": sc.group,
                          "sym": sc.sym, "shape": shape, "dtype": str(w.dtype).replace("torch.", "")}
