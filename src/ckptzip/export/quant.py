@@ -135,10 +135,14 @@ def _groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, int]:
     return x.view(rows, -1, group), cols + pad
 
 
-def _int_params(xg: torch.Tensor, bits: int, sym: bool, ratios: torch.Tensor):
+def _int_params(xg: torch.Tensor, bits: int, sym: bool, ratios: torch.Tensor, cols: int | None = None):
     """Per-group (scale bf16, zero uint8-range float) minimizing the squared error over the clipping
     ratios. Vectorized over groups; the Python loop runs over the ratios only."""
     best_err = best_s = best_z = None
+    g = xg.shape[-1]
+    mask = None  # padded elements (copies of the last column) do not count in the error
+    if cols is not None and cols < xg.shape[-2] * g:
+        mask = (torch.arange(xg.shape[-2] * g, device=xg.device) < cols).float().view(1, -1, g)
     if sym:
         lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
         amax = xg.abs().amax(-1)
@@ -156,7 +160,8 @@ def _int_params(xg: torch.Tensor, bits: int, sym: bool, ratios: torch.Tensor):
         else:
             z = torch.round(-mn * r / s).clamp(lo, hi)
         q = (torch.round(xg / s[..., None]) + z[..., None]).clamp(lo, hi)
-        err = ((q - z[..., None]) * s[..., None] - xg).square().sum(-1)
+        d2 = ((q - z[..., None]) * s[..., None] - xg).square()
+        err = (d2 if mask is None else d2 * mask).sum(-1)
         if best_err is None:
             best_err, best_s, best_z = err, s, z
         else:
@@ -193,7 +198,7 @@ def quantize(w: torch.Tensor, scheme: str | Scheme, *, search: bool = True,
     else:
         xg, cp = _groups(x, sc.group)
         rs = torch.linspace(0.5, 1.0, ratios, device=x.device) if search else torch.ones(1, device=x.device)
-        s, z, lo, hi = _int_params(xg, sc.bits, sc.sym, rs)
+        s, z, lo, hi = _int_params(xg, sc.bits, sc.sym, rs, x.shape[1])
         qv = (torch.round(xg / s[..., None]) + z[..., None]).clamp(lo, hi)
         codes = (qv - lo).to(torch.uint8).reshape(x.shape[0], cp)  # unsigned: sym codes offset by 2**(bits-1)
         pack = PACK_LAYOUT[sc.bits]
