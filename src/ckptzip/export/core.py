@@ -73,7 +73,7 @@ def _measure_stored(tree: dict) -> int:
         return os.path.getsize(p)
 
 
-def export(src: Any, dst: str | os.PathLike, *, scheme: str = "auto", bpw: float | None = None,
+def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] = "auto", bpw: float | None = None,
            max_loss_increase: float | None = None, eval_fn: Callable[[dict], float] | None = None,
            keep: Iterable[str] = (), model_key: str | None = None, format: str = "ckz",  # noqa: A002
            force: bool = False, progress: Progress | None = None, nonfinite: str = "refuse",
@@ -110,7 +110,7 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str = "auto", bpw: float
 
     # -- choose schemes --------------------------------------------------------------------
     table, base, mode = None, None, "uniform"
-    if scheme == "auto":
+    if isinstance(scheme, str) and scheme == "auto":
         if max_loss_increase is not None and eval_fn is None:
             raise BudgetError("max_loss_increase needs eval_fn (a loss on held-out data); use bpw= without one")
         if bpw is None and max_loss_increase is None:
@@ -132,6 +132,14 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str = "auto", bpw: float
         max_damage = None if max_loss_increase is None else max_loss_increase * abs(base)
         choice = alloc.allocate(table, budget_bits=budget_bits, max_damage=max_damage)
         mode = "eval" if eval_fn is not None else "proxy"
+    elif isinstance(scheme, Mapping):  # an explicit per-tensor choice (e.g. from alloc.allocate)
+        missing = [n for n in quant_names if n not in scheme]
+        if missing:
+            raise SchemeError(f"scheme mapping has no entry for {missing[:5]}")
+        choice = {n: parse_scheme(scheme[n]).name for n in quant_names}
+        for n in quant_names:
+            check_scheme_dtype(n, work[n], parse_scheme(choice[n]))
+        mode = "explicit"
     else:
         sc = parse_scheme(scheme)
         for n in quant_names:
@@ -174,7 +182,7 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str = "auto", bpw: float
     est_bits = sum(e["q"]["bits_est"] for e in entries.values())
     report: dict[str, Any] = {
         "format": format, "source": src_desc, "model_key": notes["model_key"], "dropped": notes["dropped"],
-        "scheme": scheme if scheme != "auto" else "auto", "mode": mode,
+        "scheme": scheme if isinstance(scheme, str) else "explicit", "mode": mode,
         "budget": {"bpw": bpw, "max_loss_increase": max_loss_increase},
         "quantized": rows, "kept": kept_reasons,
         "n_quantized_weights": n_weights,
@@ -189,7 +197,8 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str = "auto", bpw: float
         report["bpw"] = stored * 8 / n_weights
     else:
         report["bpw"] = None
-    scheme_label = scheme if scheme != "auto" else "auto:" + ",".join(sorted(set(choice.values())))
+    scheme_label = scheme if isinstance(scheme, str) and scheme != "auto" else \
+        ("auto:" if scheme == "auto" else "explicit:") + ",".join(sorted(set(choice.values())))
 
     t_w = time.perf_counter()
     if format == "ckz":
