@@ -196,6 +196,7 @@ def test_compressed_tensors_interop_bit_exact(tmp_path):
         ex.export(sd, tmp_path / "q.ckz", scheme=scheme, force=True)
         deq = CompressedTensorsDequantizer(str(tmp_path / "ct")).process(st.load_file(tmp_path / "ct" / "model.safetensors"))
         mine = ex.load_lossy(tmp_path / "q.ckz")
+        assert ex.is_lossy(tmp_path / "ct")
         assert set(deq) == set(mine), scheme
         for k in mine:
             assert deq[k].dtype == mine[k].dtype and torch.equal(deq[k], mine[k]), (scheme, k)
@@ -301,3 +302,12 @@ def test_dcp_source(tmp_path):
     r = ex.export(tmp_path / "dcp", tmp_path / "o.ckz", scheme="int8")
     assert set(r["quantized"]) == {"0.weight", "3.weight"}
     assert os.path.exists(tmp_path / "o.ckz")
+
+
+def test_explicit_scheme_mapping(tmp_path):
+    r = ex.export(_mlp().state_dict(), tmp_path / "o.ckz", scheme={"0.weight": "int8", "3.weight": "int2-g32"})
+    assert r["mode"] == "explicit" and r["quantized"]["3.weight"]["scheme"] == "int2-g32"
+    with ckptzip.open(tmp_path / "o.ckz") as rd:
+        assert rd.metadata["ckptzip.lossy.scheme"] == "explicit:int2-g32,int8-g128"
+    with pytest.raises(ex.SchemeError, match="no entry"):
+        ex.export(_mlp().state_dict(), tmp_path / "p.ckz", scheme={"0.weight": "int8"})

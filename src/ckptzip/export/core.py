@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import json
 import math
 import os
 import tempfile
@@ -232,8 +233,12 @@ def is_lossy(path_or_reader: Any) -> bool:
     if isinstance(path_or_reader, ckptzip.CheckpointReader):
         return path_or_reader.metadata.get(META_LOSSY) == "1"
     p = os.fspath(path_or_reader)
-    if os.path.isdir(p):
-        return os.path.exists(os.path.join(p, "model.safetensors")) and os.path.exists(os.path.join(p, "config.json"))
+    if os.path.isdir(p):  # a compressed-tensors export: config.json with a quantization_config
+        try:
+            with open(os.path.join(p, "config.json")) as f:
+                return "quantization_config" in json.load(f)
+        except (OSError, ValueError):
+            return False
     try:
         with ckptzip.open(p) as r:
             return r.metadata.get(META_LOSSY) == "1"
