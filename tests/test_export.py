@@ -311,3 +311,19 @@ def test_explicit_scheme_mapping(tmp_path):
         assert rd.metadata["ckptzip.lossy.scheme"] == "explicit:int2-g32,int8-g128"
     with pytest.raises(ex.SchemeError, match="no entry"):
         ex.export(_mlp().state_dict(), tmp_path / "p.ckz", scheme={"0.weight": "int8"})
+
+
+def test_safetensors_without_the_package(tmp_path, monkeypatch):
+    """The built-in safetensors writer and reader (used when the package is missing)."""
+    import sys
+
+    from ckptzip.export.ctensors import _save_safetensors
+    from ckptzip.export.sources import _read_safetensors
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    sd = {"a.weight": torch.randn(4, 6).bfloat16(), "b": torch.arange(5), "f8": torch.randn(3).to(torch.float8_e4m3fn)}
+    _save_safetensors(sd, str(tmp_path / "m.safetensors"), {"format": "pt"})
+    back = _read_safetensors(str(tmp_path / "m.safetensors"))
+    assert all(torch.equal(back[k].view(torch.uint8), sd[k].view(torch.uint8)) for k in sd)
+    monkeypatch.undo()
+    st = pytest.importorskip("safetensors.torch")
+    assert all(torch.equal(v.view(torch.uint8), sd[k].view(torch.uint8)) for k, v in st.load_file(tmp_path / "m.safetensors").items())

@@ -57,8 +57,6 @@ def read_source(src: Any) -> tuple[Any, str]:
         st = os.path.join(path, "model.safetensors")
         if os.path.exists(st):
             return _read_safetensors(st), st
-    with open(path, "rb") as f:
-        head = f.read(16)
     if path.endswith(".safetensors"):
         return _read_safetensors(path), path
     import ckptzip
@@ -69,7 +67,6 @@ def read_source(src: Any) -> tuple[Any, str]:
     except ckptzip.CkptzipError:
         if path.endswith(".ckz"):
             raise
-    del head
     return torch.load(path, map_location="cpu", weights_only=True), path
 
 
