@@ -1,0 +1,180 @@
+"""Lossy export benchmark (issue 17): the benchmark GPT trained with a held-out split, exported
+with uniform round-to-nearest at several bit widths and with the sensitivity allocation at the
+same sizes; x vs the full training state, held-out loss change, export time.
+
+GPU (the issue's figures):   python3 bench/export_bench.py --steps 2000 --out export.json
+CPU smoke test:              python3 bench/export_bench.py --device cpu --steps 20 --d 64 --layers 2 \
+                                 --heads 2 --ctx 64 --batch 4 --eval-batches 2 --corpus-mb 4 --out /tmp/e.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+import gpt  # noqa: E402
+
+from ckptzip import export as ex  # noqa: E402
+from ckptzip.export import alloc  # noqa: E402
+
+UNIFORM = ("fp8", "int8-g128", "int6-g128", "int5-g128", "int4-g128", "int4-g32", "int3-g32", "int2-g32")
+
+
+def train(args, text_train: torch.Tensor, dev: str):
+    """gpt.train's loop (same model, optimizer, schedule) on the training split only."""
+    torch.manual_seed(0)
+    model = gpt.GPT(d=args.d, layers=args.layers, heads=args.heads, ctx=args.ctx).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95))
+    g = torch.Generator(device="cpu").manual_seed(1)
+    t0, ctx = time.time(), args.ctx
+    for step in range(args.steps):
+        ix = torch.randint(0, text_train.numel() - ctx - 1, (args.batch,), generator=g).to(dev)
+        seq = text_train[ix[:, None] + torch.arange(ctx + 1, device=dev)].long()
+        lr = 6e-4 * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / max(1, args.steps))))
+        for grp in opt.param_groups:
+            grp["lr"] = lr
+        with torch.autocast(device_type=dev.split(":")[0], dtype=torch.bfloat16, enabled=dev != "cpu"):
+            loss = F.cross_entropy(model(seq[:, :-1]).float().reshape(-1, 256), seq[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 200 == 0 or step == args.steps - 1:
+            print(f"step {step} loss {loss.item():.3f} ({time.time() - t0:.0f}s)", file=sys.stderr)
+    return model, opt
+
+
+def make_eval(model, text_eval: torch.Tensor, args, dev: str):
+    """Mean cross-entropy over fixed held-out batches (the same for every variant)."""
+    g = torch.Generator(device="cpu").manual_seed(123)
+    ctx = args.ctx
+    ix = torch.randint(0, text_eval.numel() - ctx - 1, (args.eval_batches, args.batch), generator=g)
+    batches = [text_eval[i[:, None].to(dev) + torch.arange(ctx + 1, device=dev)].long() for i in ix]
+
+    @torch.no_grad()
+    def eval_fn(weights):
+        w = {k: v.to(dev) for k, v in weights.items()}
+        tot = 0.0
+        for seq in batches:
+            with torch.autocast(device_type=dev.split(":")[0], dtype=torch.bfloat16, enabled=dev != "cpu"):
+                logits = torch.func.functional_call(model, w, (seq[:, :-1],))
+            tot += F.cross_entropy(logits.float().reshape(-1, 256), seq[:, 1:].reshape(-1)).item()
+        return tot / len(batches)
+    return eval_fn
+
+
+def nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--d", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--eval-batches", type=int, default=16)
+    ap.add_argument("--corpus-mb", type=int, default=64)
+    ap.add_argument("--uniform", default=",".join(UNIFORM), help="uniform RTN schemes, comma separated")
+    ap.add_argument("--loss-budgets", default="0.001,0.0005", help="max_loss_increase values for the allocation")
+    ap.add_argument("--out", default="export_bench.json")
+    args = ap.parse_args()
+    dev = args.device
+
+    text = gpt.corpus(args.corpus_mb << 20)
+    split = int(text.numel() * 0.9)  # hold out the last 10 % of the corpus bytes
+    text_train, text_eval = text[:split].to(dev), text[split:].to(dev)
+    t0 = time.time()
+    model, opt = train(args, text_train, dev)
+    train_s = time.time() - t0
+    state = gpt.checkpoint(model, opt)
+    comp = gpt.components(state)
+    full_bytes = sum(nbytes(v) for v in comp.values())
+    eval_fn = make_eval(model, text_eval, args, dev)
+    weights = {k: v.detach() for k, v in state["model"].items()}
+    names = [k for k, v in weights.items() if v.is_floating_point() and v.ndim >= 2]
+    base = eval_fn(weights)
+    d = tempfile.mkdtemp()
+    rows = []
+
+    def run(label, scheme, predicted=None, **kw):
+        p = os.path.join(d, "x.ckz")
+        r = ex.export(state, p, scheme=scheme, force=True, eval_fn=eval_fn, device=dev, **kw)
+        row = {"variant": label, "x_vs_full": full_bytes / r["dst_bytes"], "bytes": r["dst_bytes"],
+               "bpw": r["bpw"], "bpw_est": r["bpw_est"], "loss": r["loss"]["measured"],
+               "loss_change_pct": r["loss"]["change_pct"],
+               "predicted_change_pct": None if predicted is None else 100 * predicted / base,
+               "schemes": {s: sum(1 for q in r["quantized"].values() if q["scheme"] == s)
+                           for s in sorted({q["scheme"] for q in r["quantized"].values()})}}
+        rows.append(row)
+        print(f"{label:32s} x{row['x_vs_full']:6.2f}  bpw {row['bpw']:.3f}  loss {row['loss_change_pct']:+.3f} %",
+              file=sys.stderr)
+        return r
+
+    run("bf16 (entropy-coded)", "bf16")
+    uniform = {}
+    for s in [u for u in args.uniform.split(",") if u]:
+        uniform[s] = run(f"uniform RTN {s}", s, search=False)
+    # the sensitivity table: each tensor x each candidate, measured once, reused for every budget
+    t1 = time.time()
+    table, base2 = alloc.measure({k: v.to(dev) for k, v in weights.items()}, names, alloc.AUTO_CANDIDATES, eval_fn)
+    measure_s = time.time() - t1
+    n_w = sum(weights[n].numel() for n in names)
+    for s, r in uniform.items():
+        if s == "fp8":
+            continue
+        choice = alloc.allocate(table, budget_bits=r["bpw_est"] * n_w)
+        run(f"allocation @ {s} size", choice, predicted=alloc.predicted(table, choice)[1])
+    for lb in [float(x) for x in args.loss_budgets.split(",") if x]:
+        choice = alloc.allocate(table, max_damage=lb * base2)
+        run(f"allocation loss <= +{100 * lb:g} %", choice, predicted=alloc.predicted(table, choice)[1])
+
+    # export time of the full state, without eval (state on the device, second call timed)
+    times = {}
+    for s in ("int4-g128", "fp8"):
+        p = os.path.join(d, "t.ckz")
+        for _ in range(2):
+            if dev.startswith("cuda"):
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            ex.export(state, p, scheme=s, force=True, device=dev, measure=False)
+            if dev.startswith("cuda"):
+                torch.cuda.synchronize()
+            times[s] = time.perf_counter() - t
+    t = time.perf_counter()
+    ex.export(state, os.path.join(d, "p.ckz"), scheme="auto", force=True, device=dev, measure=False)
+    times["auto (proxy, bpw 4.5)"] = time.perf_counter() - t
+
+    out = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else f"cpu ({os.cpu_count()} cores)",
+           "torch": torch.__version__, "args": vars(args), "train_s": train_s, "params": sum(w.numel() for w in weights.values()),
+           "full_state_bytes": full_bytes, "state_bytes": {k: nbytes(v) for k, v in comp.items()},
+           "base_loss": base, "sensitivity_measure_s": measure_s, "export_s": times, "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"\n{out['device']}, {out['params'] / 1e6:.1f} M params, {args.steps} steps, full training state "
+          f"{full_bytes / 1e6:,.1f} MB, held-out loss {base:.4f}\n")
+    print("| weights as | x vs full state | bpw stored | bpw entropy | held-out loss change | predicted | schemes |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        pred = "" if r["predicted_change_pct"] is None else f"{r['predicted_change_pct']:+.3f} %"
+        sch = ", ".join(f"{k} x{v}" for k, v in r["schemes"].items())
+        print(f"| {r['variant']} | {r['x_vs_full']:.1f} | {r['bpw']:.3f} | {r['bpw_est']:.3f} | {r['loss_change_pct']:+.3f} % | {pred} | {sch} |")
+    print("\nexport time of the full state (no eval): " + ", ".join(f"{k} {v:.2f} s" for k, v in times.items())
+          + f"; sensitivity measurement {measure_s:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""Weight quantizers of the lossy export: fp8 e4m3 (one scale per row) and intN (N = 2..8,
+group-wise along the last dimension, symmetric or asymmetric, with an error-minimizing clipping
+search). Plain torch ops: the same code runs on the GPU and on the CPU and writes the same wire
+format.
+
+Wire format of one quantized tensor (the dict stored under ``tensors[name]`` of a lossy .ckz)::
+
+    {"q": {"scheme": "int4-g128", "kind": "int", "bits": 4, "group": 128, "sym": False,
+           "shape": [rows..., cols], "dtype": "float32", "cols_padded": 128*k,
+           "pack": "bits" | "byte", "err": relative RMS error, ...},
+     "codes": uint8 tensor, "scales": bfloat16 tensor, "zeros": uint8 tensor or None}
+
+Dequantization is exact float32 arithmetic followed by one rounding to the output dtype:
+``(float32(code) - float32(zero)) * float32(scale)``; codes have at most 8 significant bits and
+scales are bfloat16 (8 significant bits), so the float32 product is exact and CPU and GPU give
+identical bits (and so does compressed-tensors' bf16 math on the same numbers).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import SchemeError
+
+FP8_MAX = 448.0
+DEFAULT_GROUP = 128
+DEFAULT_RATIOS = 20  # clipping ratios tried per group, 0.5 .. 1.0
+# Code layout per bit width, chosen by measurement with ckptzip.save (CPU zstd; docs/export.md
+# has the table): int2/int3/int4 are bit-packed (LSB first; int2 and int4 codes never straddle a
+# byte, so a byte-level entropy coder still sees whole codes; for int3 zstd's Huffman coder on one
+# code per byte is 16 % larger than the packed bits), int5..int8 one code per byte (the entropy
+# coder recovers the unused bits and the skew of the histogram: 1-2 % smaller than packed bits).
+PACK_LAYOUT = {2: "bits", 3: "bits", 4: "bits", 5: "byte", 6: "byte", 7: "byte", 8: "byte"}
+
+_SCHEME_RE = re.compile(r"^int([2-8])(?:-g(\d+))?(-sym|-asym)?$")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    kind: str            # "int", "fp8" or "bf16"
+    bits: int = 16
+    group: int = 0       # int: group size along the last dim; fp8: 0 (one scale per row)
+    sym: bool = True
+
+    @property
+    def name(self) -> str:
+        if self.kind != "int":
+            return self.kind
+        return f"int{self.bits}-g{self.group}" + ("-sym" if self.sym else "")
+
+
+def parse_scheme(s: str | Scheme) -> Scheme:
+    """``"fp8"``, ``"bf16"``, ``"int4"`` (= ``int4-g128``, asymmetric), ``"int4-g32"``,
+    ``"int4-g128-sym"`` ..."""
+    if isinstance(s, Scheme):
+        return s
+    s = str(s).strip().lower()
+    if s in ("fp8", "fp8-e4m3", "float8"):
+        return Scheme("fp8", 8, 0, True)
+    if s in ("bf16", "bfloat16"):
+        return Scheme("bf16", 16, 0, True)
+    m = _SCHEME_RE.match(s)
+    if not m:
+        raise SchemeError(f"unknown scheme {s!r} (use bf16, fp8, int2..int8 with optional -g32/-g64/-g128 and -sym)")
+    group = int(m.group(2) or DEFAULT_GROUP)
+    if group not in (32, 64, 128):
+        raise SchemeError(f"group size {group} not supported (32, 64 or 128)")
+    return Scheme("int", int(m.group(1)), group, m.group(3) == "-sym")
+
+
+def check_scheme_dtype(name: str, t: torch.Tensor, scheme: Scheme) -> None:
+    """Raise SchemeError when ``t`` cannot take ``scheme``."""
+    if not t.is_floating_point():
+        raise SchemeError(f"tensor {name!r} has dtype {str(t.dtype).replace('torch.', '')}: "
+                          f"scheme {scheme.name} needs a floating-point tensor")
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+        raise SchemeError(f"tensor {name!r} is already {str(t.dtype).replace('torch.', '')}: "
+                          f"scheme {scheme.name} cannot requantize fp8 weights")
+    if scheme.kind == "bf16" and t.dtype not in (torch.float32, torch.float64, torch.bfloat16):
+        raise SchemeError(f"tensor {name!r} has dtype {str(t.dtype).replace('torch.', '')}: "
+                          f"scheme bf16 would lose range or precision; keep it or use fp8/intN")
+    if t.ndim < 2:
+        raise SchemeError(f"tensor {name!r} has {t.ndim} dims: scheme {scheme.name} needs a matrix")
+
+
+# -- bf16 scale rounding -------------------------------------------------------------------
+def round_up_bf16(s: torch.Tensor) -> torch.Tensor:
+    """Smallest bfloat16 >= s (s >= 0, float32), so that amax / scale never exceeds the code range."""
+    b = s.to(torch.bfloat16)
+    low = b.float() < s
+    up = (b.view(torch.int16) + 1).view(torch.bfloat16)
+    return torch.where(low, up, b)
+
+
+# -- bit packing -------------------------------------------------------------------------------
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned codes (< 2**bits) LSB first: 8 codes -> ``bits`` bytes. Code i occupies bits
+    [i*bits, (i+1)*bits) of the little-endian bit stream (int4: low nibble first)."""
+    flat = codes.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    pad = (-n) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    g = flat.view(-1, 8)
+    shifts = torch.arange(8, device=flat.device, dtype=torch.int64) * bits
+    word = (g << shifts).sum(1)  # 8*bits <= 64 bits
+    bshift = torch.arange(bits, device=flat.device, dtype=torch.int64) * 8
+    return ((word[:, None] >> bshift) & 0xFF).to(torch.uint8).reshape(-1)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of pack_bits: the first ``n`` codes as uint8."""
+    b = packed.reshape(-1, bits).to(torch.int64)
+    bshift = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
+    word = (b << bshift).sum(1)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
+    codes = (word[:, None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(-1)[:n].to(torch.uint8)
+
+
+# -- quantization ------------------------------------------------------------------------------
+def _as_rows(w: torch.Tensor) -> torch.Tensor:
+    return w.reshape(-1, w.shape[-1]).float()
+
+
+def _groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, int]:
+    rows, cols = x.shape
+    pad = (-cols) % group
+    if pad:  # pad by repeating the last column: the group's range and error stay those of real values
+        x = torch.cat([x, x[:, -1:].expand(rows, pad)], 1)
+    return x.view(rows, -1, group), cols + pad
+
+
+def _int_params(xg: torch.Tensor, bits: int, sym: bool, ratios: torch.Tensor, cols: int | None = None):
+    """Per-group (scale bf16, zero uint8-range float) minimizing the squared error over the clipping
+    ratios. Vectorized over groups; the Python loop runs over the ratios only."""
+    best_err = best_s = best_z = None
+    g = xg.shape[-1]
+    mask = None  # padded elements (copies of the last column) do not count in the error
+    if cols is not None and cols < xg.shape[-2] * g:
+        mask = (torch.arange(xg.shape[-2] * g, device=xg.device) < cols).float().view(1, -1, g)
+    if sym:
+        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        amax = xg.abs().amax(-1)
+        span, base = amax / max(hi, 1), None
+    else:
+        lo, hi = 0, (1 << bits) - 1
+        mn = xg.amin(-1).clamp(max=0)
+        mx = xg.amax(-1).clamp(min=0)
+        span = (mx - mn) / hi
+    for r in ratios.tolist():
+        s = round_up_bf16(span * r)
+        s = torch.where(s == 0, torch.ones_like(s), s).float()
+        if sym:
+            z = torch.zeros_like(s)
+        else:
+            z = torch.round(-mn * r / s).clamp(lo, hi)
+        q = (torch.round(xg / s[..., None]) + z[..., None]).clamp(lo, hi)
+        d2 = ((q - z[..., None]) * s[..., None] - xg).square()
+        err = (d2 if mask is None else d2 * mask).sum(-1)
+        if best_err is None:
+            best_err, best_s, best_z = err, s, z
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_s = torch.where(better, s, best_s)
+            best_z = torch.where(better, z, best_z)
+    return best_s, best_z, lo, hi
+
+
+def quantize(w: torch.Tensor, scheme: str | Scheme, *, search: bool = True,
+             ratios: int = DEFAULT_RATIOS, name: str = "weight") -> dict[str, Any]:
+    """Quantize one weight matrix (ndim >= 2; the last dim is the group / row dim).
+    ``search=False`` is plain round-to-nearest from min/max (the clipping ratio 1.0 only)."""
+    sc = parse_scheme(scheme)
+    check_scheme_dtype(name, w, sc)
+    if sc.kind == "int" and w.shape[-1] < sc.group:  # a row shorter than the group: smaller groups, less padding
+        sc = Scheme("int", sc.bits, next(g for g in (32, 64, 128) if g >= w.shape[-1] or g == sc.group), sc.sym)
+    shape = list(w.shape)
+    q: dict[str, Any] = {"scheme": sc.name, "kind": sc.kind, "bits": sc.bits, "group": sc.group,
+                         "sym": sc.sym, "shape": shape, "dtype": str(w.dtype).replace("torch.", "")}
+    x = _as_rows(w)
+    if sc.kind == "bf16":
+        codes = w.detach().to(torch.bfloat16).contiguous()
+        q.update(pack="none", cols_padded=shape[-1])
+        entry = {"q": q, "codes": codes, "scales": None, "zeros": None}
+    elif sc.kind == "fp8":
+        amax = x.abs().amax(1)
+        s = round_up_bf16(amax / FP8_MAX)
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        c = (x / s.float()[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        q.update(pack="byte", cols_padded=shape[-1])
+        entry = {"q": q, "codes": c.view(torch.uint8).contiguous(), "scales": s.contiguous(), "zeros": None}
+    else:
+        xg, cp = _groups(x, sc.group)
+        rs = torch.linspace(0.5, 1.0, ratios, device=x.device) if search else torch.ones(1, device=x.device)
+        s, z, lo, hi = _int_params(xg, sc.bits, sc.sym, rs, x.shape[1])
+        qv = (torch.round(xg / s[..., None]) + z[..., None]).clamp(lo, hi)
+        codes = (qv - lo).to(torch.uint8).reshape(x.shape[0], cp)  # unsigned: sym codes offset by 2**(bits-1)
+        pack = PACK_LAYOUT[sc.bits]
+        q.update(pack=pack, cols_padded=cp)
+        entry = {"q": q, "codes": pack_bits(codes, sc.bits) if pack == "bits" else codes.contiguous(),
+                 "scales": s.to(torch.bfloat16).contiguous(),
+                 "zeros": None if sc.sym else z.to(torch.uint8).contiguous()}
+    deq = dequantize(entry, dtype=torch.float32)
+    ref = w.detach().float()
+    num = (deq - ref).square().sum().item()
+    den = ref.square().sum().item()
+    q["err"] = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else float("inf"))
+    return entry
+
+
+def unpack_codes(entry: dict[str, Any]) -> torch.Tensor:
+    """The unsigned codes of an intN entry as uint8 of shape (rows, cols_padded); fp8 codes as
+    float8_e4m3fn of shape (rows, cols)."""
+    q = entry["q"]
+    rows = math.prod(q["shape"][:-1])
+    if q["kind"] == "fp8":
+        return entry["codes"].view(torch.float8_e4m3fn).reshape(rows, q["shape"][-1])
+    if q["kind"] != "int":
+        return entry["codes"]
+    cp = int(q["cols_padded"])
+    if q["pack"] == "bits":
+        return unpack_bits(entry["codes"], int(q["bits"]), rows * cp).reshape(rows, cp)
+    return entry["codes"].reshape(rows, cp)
+
+
+def signed_codes(entry: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """intN codes and zero points in the signed convention of compressed-tensors
+    (code - 2**(bits-1)), as int8 of shape (rows, cols) and (rows, groups)."""
+    q = entry["q"]
+    off = 1 << (int(q["bits"]) - 1)
+    c = unpack_codes(entry)[:, :q["shape"][-1]].to(torch.int16) - off
+    z = None if entry["zeros"] is None else (entry["zeros"].to(torch.int16) - off).to(torch.int8)
+    return c.to(torch.int8), z
+
+
+def dequantize(entry: dict[str, Any], dtype: torch.dtype = torch.bfloat16,
+               device: torch.device | str | None = None) -> torch.Tensor:
+    """Dequantized tensor of the original shape: float32 math, one rounding to ``dtype``."""
+    q = entry["q"]
+    shape = [int(v) for v in q["shape"]]
+    if device is not None:
+        entry = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
+    if q["kind"] == "bf16":
+        return entry["codes"].to(dtype).reshape(shape)
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    if q["kind"] == "fp8":
+        c = unpack_codes(entry).float()
+        out = c * entry["scales"].float().reshape(rows, 1)
+        return out.to(dtype).reshape(shape)
+    bits, group = int(q["bits"]), int(q["group"])
+    c = unpack_codes(entry).float().view(rows, -1, group)
+    s = entry["scales"].float().reshape(rows, -1, 1)
+    if q["sym"]:
+        z = torch.full((), float(1 << (bits - 1)), device=c.device)
+    else:
+        z = entry["zeros"].float().reshape(rows, -1, 1)
+    out = ((c - z) * s).reshape(rows, -1)[:, :cols]
+    return out.to(dtype).reshape(shape)
+
+
+# -- size estimate (order-0 entropy), used to plan before anything is written ---------------
+def _entropy_bits(v: torch.Tensor, nsym: int) -> float:
+    if v.numel() == 0:
+        return 0.0
+    h = torch.bincount(v.reshape(-1).to(torch.int64), minlength=nsym).double()
+    p = h[h > 0] / v.numel()
+    return float(-(p * p.log2()).sum().item()) * v.numel()
+
+
+def estimate_bits(entry: dict[str, Any]) -> float:
+    """Order-0 entropy bound (bits) of codes + scales + zeros, each byte plane of the scales coded
+    separately (as ckptzip's byteplane transform does)."""
+    q = entry["q"]
+    if q["kind"] == "bf16":
+        b = entry["codes"].reshape(-1).view(torch.uint8).view(-1, 2)
+        return _entropy_bits(b[:, 0], 256) + _entropy_bits(b[:, 1], 256)
+    if q["kind"] == "fp8":
+        total = _entropy_bits(entry["codes"], 256)
+    else:
+        total = _entropy_bits(unpack_codes(entry), 1 << int(q["bits"]))
+    sb = entry["scales"].reshape(-1).view(torch.uint8).view(-1, 2)
+    total += _entropy_bits(sb[:, 0], 256) + _entropy_bits(sb[:, 1], 256)
+    if entry["zeros"] is not None:
+        total += _entropy_bits(entry["zeros"], 256)
+    return total

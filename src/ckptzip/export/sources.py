@@ -1,0 +1,173 @@
+"""Reading an export source and finding the model weights in it."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .errors import NoFloatWeightsError
+
+MODEL_KEYS = ("model", "state_dict", "module", "model_state_dict", "model_state", "weights", "params")
+OPTIM_KEYS = ("optimizer", "optim", "opt", "optimizer_states", "optimizer_state", "optimizer_state_dict",
+              "lr_scheduler", "scheduler", "lr_schedulers")
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    try:
+        from safetensors.torch import load_file
+        return dict(load_file(path))
+    except ImportError:
+        pass
+    with open(path, "rb") as f:  # the format: u64 header length, JSON header, raw little-endian data
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = bytearray(f.read())
+    out = {}
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        a, b = v["data_offsets"]
+        t = torch.frombuffer(data, dtype=torch.uint8, offset=a, count=b - a) if b > a else torch.empty(0, dtype=torch.uint8)
+        out[k] = t.view(_ST_DTYPES[v["dtype"]]).reshape(v["shape"]).clone()
+    return out
+
+
+def read_source(src: Any) -> tuple[Any, str]:
+    """(the object, a description). SRC: a state dict, a .ckz, a safetensors file, a DCP
+    directory or a torch file (read with weights_only=True)."""
+    if isinstance(src, Mapping):
+        return src, "<in-memory state dict>"
+    path = os.fspath(src)
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, ".metadata")):  # torch.distributed.checkpoint
+            import tempfile
+
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+            with tempfile.TemporaryDirectory() as d:
+                dcp_to_torch_save(path, os.path.join(d, "s.pt"))
+                return torch.load(os.path.join(d, "s.pt"), map_location="cpu", weights_only=True), path
+        st = os.path.join(path, "model.safetensors")
+        if os.path.exists(st):
+            return _read_safetensors(st), st
+    if path.endswith(".safetensors"):
+        return _read_safetensors(path), path
+    import ckptzip
+    try:
+        with ckptzip.open(path):
+            pass
+        return ckptzip.load(path, map_location="cpu"), path
+    except ckptzip.CkptzipError:
+        if path.endswith(".ckz"):
+            raise
+    return torch.load(path, map_location="cpu", weights_only=True), path
+
+
+def _is_tensor_dict(d: Any) -> bool:
+    return isinstance(d, Mapping) and any(isinstance(v, torch.Tensor) for v in _flat(d).values())
+
+
+def _flat(d: Mapping, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _is_optimizer(key: str, v: Any) -> bool:
+    if str(key).lower() in OPTIM_KEYS:
+        return True
+    if isinstance(v, Mapping) and ("param_groups" in v or "exp_avg" in v or "exp_avg_sq" in v):
+        return True
+    if isinstance(v, Mapping):
+        flat = _flat(v)
+        return any(k.rsplit(".", 1)[-1] in ("exp_avg", "exp_avg_sq", "momentum_buffer") for k in flat)
+    return False
+
+
+def _duplicate_of(low: dict[str, Any], high: dict[str, Any]) -> bool:
+    """``low``'s tensors are ``high``'s cast to a lower-precision float dtype."""
+    if low.keys() != high.keys():
+        return False
+    lower = False
+    for k, a in low.items():
+        b = high[k]
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
+            return False
+        if a.is_floating_point() and b.is_floating_point():
+            if a.element_size() > b.element_size():
+                return False
+            if a.element_size() < b.element_size():
+                lower = True
+            if not torch.equal(a, b.to(a.dtype)):
+                return False
+        elif not torch.equal(a, b):
+            return False
+    return lower
+
+
+def find_weights(obj: Any, model_key: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(flat {name: tensor} of the model weights, notes for the report: which key, what was dropped)."""
+    notes: dict[str, Any] = {"model_key": None, "dropped": {}}
+    if not isinstance(obj, Mapping):
+        raise NoFloatWeightsError(f"source is a {type(obj).__name__}, not a dict of tensors; no float weights found")
+    top_keys = [str(k) for k in obj.keys()]
+    if model_key is not None:
+        node: Any = obj
+        if model_key in obj:
+            node = obj[model_key]
+        else:
+            for part in model_key.split("."):
+                if not isinstance(node, Mapping) or part not in node:
+                    raise NoFloatWeightsError(f"model_key {model_key!r} not found; top-level keys: {top_keys}")
+                node = node[part]
+        if not _is_tensor_dict(node):
+            raise NoFloatWeightsError(f"model_key {model_key!r} holds no tensors; top-level keys: {top_keys}")
+        weights, notes["model_key"] = _flat(node), model_key
+        for k, v in obj.items():
+            if str(k) != model_key.split(".")[0] and _is_optimizer(k, v):
+                notes["dropped"][str(k)] = "optimizer state"
+    else:
+        cands = {str(k): v for k, v in obj.items() if _is_tensor_dict(v)}
+        optim = {k for k, v in cands.items() if _is_optimizer(k, v)}
+        for k in optim:
+            notes["dropped"][k] = "optimizer state"
+        cands = {k: v for k, v in cands.items() if k not in optim}
+        flat_c = {k: _flat(v) for k, v in cands.items()}
+        for k in list(flat_c):  # duplicate precision copies: keep the higher-precision master
+            for m in flat_c:
+                if m != k and k in flat_c and m in flat_c and _duplicate_of(flat_c[k], flat_c[m]):
+                    notes["dropped"][k] = f"duplicate lower-precision copy of {m!r}"
+                    del flat_c[k]
+                    break
+        chosen = next((k for k in MODEL_KEYS if k in flat_c), None)
+        if chosen is None and len(flat_c) == 1:
+            chosen = next(iter(flat_c))
+        if chosen is not None:
+            weights, notes["model_key"] = flat_c[chosen], chosen
+            for k in flat_c:
+                if k != chosen:
+                    notes["dropped"][k] = f"not the model weights (pass model_key={k!r} to export it)"
+        else:
+            top = {str(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+            if not top and flat_c:
+                raise NoFloatWeightsError(f"several weight dicts {sorted(flat_c)} and none named like a model; "
+                                          f"pass model_key (top-level keys: {top_keys})")
+            weights = top
+            for k in flat_c:
+                notes["dropped"][k] = f"not the model weights (pass model_key={k!r} to export it)"
+    weights = {k: v for k, v in weights.items() if isinstance(v, torch.Tensor)}
+    if not any(v.is_floating_point() for v in weights.values()):
+        raise NoFloatWeightsError(f"no float weights found; top-level keys: {top_keys}")
+    return weights, notes

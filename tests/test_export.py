@@ -1,0 +1,329 @@
+"""Lossy export (issue 17): quantizers, packing, weight detection, the lossy .ckz convention,
+compressed-tensors interop, bad inputs, sensitivity allocation. CPU, a few seconds."""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ckptzip
+from ckptzip import export as ex
+from ckptzip.export.alloc import allocate
+from ckptzip.export.quant import pack_bits, unpack_bits
+
+INT_SCHEMES = [f"int{b}-g{g}{s}" for b in range(2, 9) for g in (32, 128) for s in ("", "-sym")]
+
+
+def _w(rows=48, cols=200, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * 0.02
+    w[:, 7] *= 10  # an outlier column, as real weights have
+    return w
+
+
+def _group_scale(e):
+    q = e["q"]
+    rows = q["shape"][0]
+    s = e["scales"].float().reshape(rows, -1)
+    return s.repeat_interleave(int(q["group"]), 1)[:, :q["shape"][-1]]
+
+
+# -- quantizers ---------------------------------------------------------------------------
+@pytest.mark.parametrize("scheme", INT_SCHEMES)
+def test_int_rtn_error_bound(scheme):
+    """Round-to-nearest from min/max: every element within half a quantization step."""
+    w = _w()
+    e = ex.quantize(w, scheme, search=False)
+    deq = ex.dequantize(e, dtype=torch.float32)
+    assert deq.shape == w.shape
+    assert ((w - deq).abs() <= _group_scale(e) / 2 * (1 + 1e-6)).all()
+    assert (e["zeros"] is None) == scheme.endswith("-sym")
+
+
+@pytest.mark.parametrize("scheme", INT_SCHEMES)
+def test_scale_search_never_worse_than_rtn(scheme):
+    w = _w(seed=1)
+    mse = [(ex.dequantize(ex.quantize(w, scheme, search=s), dtype=torch.float32).double() - w.double()).square().sum()
+           for s in (False, True)]
+    assert mse[1] <= mse[0] * (1 + 1e-5)  # the grid includes the ratio 1.0 (= min/max); float32 sums aside
+
+
+def test_fp8_row_scale_error_bound():
+    w = _w(rows=64, cols=96, seed=2)
+    e = ex.quantize(w, "fp8")
+    assert e["codes"].dtype == torch.uint8 and e["scales"].shape == (64,)
+    deq = ex.dequantize(e, dtype=torch.float32)
+    s = e["scales"].float()[:, None]
+    assert (w.abs().amax(1) / e["scales"].float() <= 448).all()
+    # e4m3: 3 mantissa bits -> relative rounding error <= 2**-4; subnormals: half the smallest step
+    bound = torch.maximum(w.abs() * 2 ** -4, s * 2 ** -10) * (1 + 1e-6)
+    assert ((w - deq).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int4-g32", "int6-g128-sym", "int3-g64"])
+def test_dequantize_is_exact_float32_then_one_rounding(scheme):
+    e = ex.quantize(_w(seed=3).to(torch.bfloat16), scheme)
+    f32 = ex.dequantize(e, dtype=torch.float32)
+    assert torch.equal(ex.dequantize(e, dtype=torch.bfloat16), f32.to(torch.bfloat16))
+    assert torch.equal(ex.dequantize(e, dtype=torch.float16), f32.to(torch.float16))
+    if torch.cuda.is_available():
+        assert torch.equal(ex.dequantize(e, device="cuda").cpu(), ex.dequantize(e))
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("n", [1, 8, 37, 1000])
+def test_pack_roundtrip(bits, n):
+    c = torch.randint(0, 1 << bits, (n,), dtype=torch.uint8)
+    p = pack_bits(c, bits)
+    assert p.numel() == (n + 7) // 8 * bits
+    assert torch.equal(unpack_bits(p, bits, n), c)
+
+
+def test_int4_packs_two_per_byte_low_nibble_first():
+    p = pack_bits(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8], dtype=torch.uint8), 4)
+    assert p.tolist() == [0x21, 0x43, 0x65, 0x87]
+
+
+def test_3d_tensor_and_short_rows():
+    w = torch.randn(3, 5, 40)
+    e = ex.quantize(w, "int4")  # rows of 40 < group 128: groups of 64
+    assert e["q"]["group"] == 64
+    assert ex.dequantize(e).shape == w.shape
+
+
+# -- sources and detection ------------------------------------------------------------------
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 10))
+
+
+def _train_state(m):
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    sd = m.state_dict()
+    return {"model": sd, "model_bf16": {k: v.to(torch.bfloat16) for k, v in sd.items()},
+            "optimizer": opt.state_dict(), "step": 1, "rng": torch.get_rng_state()}
+
+
+def test_detects_model_drops_optimizer_and_duplicate_copy(tmp_path):
+    m = _mlp()
+    state = _train_state(m)
+    src = tmp_path / "s.ckz"
+    ckptzip.save(state, src)
+    r = ex.export(src, tmp_path / "o.ckz", scheme="int8")
+    assert r["model_key"] == "model"
+    assert r["dropped"]["optimizer"] == "optimizer state"
+    assert "duplicate" in r["dropped"]["model_bf16"]
+    assert set(r["quantized"]) == {"0.weight", "3.weight"}
+    assert {"0.bias", "2.weight", "2.bias", "3.bias"} <= set(r["kept"])
+    out = ex.load_lossy(tmp_path / "o.ckz", dtype=torch.float32)
+    for k in r["kept"]:  # kept = the fp32 master, exactly
+        assert torch.equal(out[k], state["model"][k])
+    assert (out["0.weight"] - state["model"]["0.weight"]).abs().max() < 0.01
+
+
+@pytest.mark.parametrize("kind", ["flat", "lightning", "pt", "safetensors", "model_key"])
+def test_sources(tmp_path, kind):
+    sd = _mlp().state_dict()
+    src: object
+    kw = {}
+    if kind == "flat":
+        src = dict(sd)
+    elif kind == "lightning":
+        src = {"state_dict": sd, "optimizer_states": [{}], "epoch": 3}
+    elif kind == "pt":
+        src = tmp_path / "s.pt"
+        torch.save({"model": sd, "optimizer": {"state": {}, "param_groups": []}}, src)
+    elif kind == "safetensors":
+        st = pytest.importorskip("safetensors.torch")
+        src = tmp_path / "s.safetensors"
+        st.save_file(dict(sd), src)
+    else:
+        src, kw = {"ema": sd, "online": {k: v + 1 for k, v in sd.items()}}, {"model_key": "online"}
+    r = ex.export(src, tmp_path / "o.ckz", scheme="int4", **kw)
+    assert set(r["quantized"]) == {"0.weight", "3.weight"}
+    if kind == "model_key":
+        assert torch.equal(ex.load_lossy(tmp_path / "o.ckz")["0.bias"], sd["0.bias"] + 1)
+
+
+def test_keep_patterns_and_progress(tmp_path):
+    calls = []
+    r = ex.export(_mlp().state_dict(), tmp_path / "o.ckz", scheme="fp8", keep=["3.*"],
+                  progress=lambda d, t: calls.append((d, t)))
+    assert r["kept"]["3.weight"] == "keep pattern"
+    assert calls[-1] == (1, 1)
+
+
+# -- the lossy file ----------------------------------------------------------------------------
+def test_lossy_file_convention_and_guards(tmp_path):
+    src = tmp_path / "s.ckz"
+    ckptzip.save(_train_state(_mlp()), src)
+    dst = tmp_path / "o.ckz"
+    ex.export(src, dst, scheme="int4-g32")
+    with ckptzip.open(dst) as r:
+        assert r.metadata["ckptzip.lossy"] == "1" and r.metadata["ckptzip.lossy.scheme"] == "int4-g32"
+        assert ex.is_lossy(r)
+    tree = ckptzip.load(dst)
+    assert tree["format"] == "ckptzip-lossy/1"
+    t = tree["tensors"]["0.weight"]
+    assert t["codes"].dtype == torch.uint8 and t["scales"].dtype == torch.bfloat16
+    assert t["q"]["scheme"] == "int4-g32" and t["q"]["pack"] == "bits" and t["q"]["shape"] == [64, 32]
+    assert t["codes"].numel() == 64 * 32 // 2
+    assert ex.is_lossy(dst) and not ex.is_lossy(src)
+    ex.ensure_lossless(src)
+    with pytest.raises(ex.LossyCheckpointError, match="lossy"):
+        ex.ensure_lossless(dst)
+    codes = ex.load_codes(dst)["tensors"]["0.weight"]
+    assert ex.unpack_codes(codes).shape == (64, 32)
+    with pytest.raises(ex.ExportError, match="already a lossy export"):
+        ex.export(dst, tmp_path / "again.ckz", scheme="int8")
+
+
+def test_compressed_tensors_interop_bit_exact(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    st = pytest.importorskip("safetensors.torch")
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+    torch.manual_seed(0)
+    sd = {"a.weight": torch.randn(64, 128) * 0.02, "b.weight": torch.randn(32, 64) * 0.05,
+          "b.bias": torch.randn(32), "odd.weight": torch.randn(8, 40)}
+    for scheme in ("int4", "int4-g32-sym", "int8-g64", "int3-g32", "int6-g32-sym", "fp8"):
+        ex.export(sd, tmp_path / "ct", scheme=scheme, format="compressed-tensors", force=True)
+        ex.export(sd, tmp_path / "q.ckz", scheme=scheme, force=True)
+        deq = CompressedTensorsDequantizer(str(tmp_path / "ct")).process(st.load_file(tmp_path / "ct" / "model.safetensors"))
+        mine = ex.load_lossy(tmp_path / "q.ckz")
+        assert ex.is_lossy(tmp_path / "ct")
+        assert set(deq) == set(mine), scheme
+        for k in mine:
+            assert deq[k].dtype == mine[k].dtype and torch.equal(deq[k], mine[k]), (scheme, k)
+
+
+# -- bad inputs --------------------------------------------------------------------------------
+def test_bad_inputs(tmp_path):
+    with pytest.raises(ex.NoFloatWeightsError, match=r"top-level keys: \['step', 'ids'\]"):
+        ex.export({"step": 3, "ids": torch.arange(5)}, tmp_path / "o.ckz", scheme="int8")
+    src = tmp_path / "s.ckz"
+    ckptzip.save({"model": _mlp().state_dict()}, src)
+    with pytest.raises(ex.DestinationError, match="is the source"):
+        ex.export(src, src, scheme="int8")
+    (tmp_path / "exists.ckz").write_bytes(b"x")
+    with pytest.raises(ex.DestinationError, match="force"):
+        ex.export(src, tmp_path / "exists.ckz", scheme="int8")
+    ex.export(src, tmp_path / "exists.ckz", scheme="int8", force=True)
+    sd = _mlp().state_dict()
+    sd["3.weight"][1, 2] = float("nan")
+    with pytest.raises(ex.NonFiniteWeightError, match="'3.weight' holds 1 NaN"):
+        ex.export(sd, tmp_path / "n.ckz", scheme="int8")
+    r = ex.export(sd, tmp_path / "n.ckz", scheme="int8", nonfinite="keep")
+    assert "NaN" in r["kept"]["3.weight"]
+    assert torch.equal(ex.load_lossy(tmp_path / "n.ckz")["3.weight"], sd["3.weight"], ) is False  # NaN != NaN
+    assert ex.load_lossy(tmp_path / "n.ckz")["3.weight"].isnan().sum() == 1
+    with pytest.raises(ex.SchemeError, match="float16"):
+        ex.export({k: v.half() for k, v in _mlp().state_dict().items()}, tmp_path / "h.ckz", scheme="bf16")
+    with pytest.raises(ex.SchemeError, match="unknown scheme"):
+        ex.export(_mlp().state_dict(), tmp_path / "u.ckz", scheme="int9")
+    with pytest.raises(ex.BudgetError, match="eval_fn"):
+        ex.export(_mlp().state_dict(), tmp_path / "b.ckz", max_loss_increase=0.001)
+    for e in (ex.NoFloatWeightsError, ex.DestinationError, ex.LossyCheckpointError):
+        assert issubclass(e, ckptzip.CkptzipError)
+
+
+# -- allocation ------------------------------------------------------------------------------
+def test_allocate_knapsack_small():
+    table = {"a": {"x": {"bits": 10, "damage": 5.0}, "y": {"bits": 20, "damage": 0.0}},
+             "b": {"x": {"bits": 10, "damage": 1.0}, "y": {"bits": 20, "damage": 0.0}}}
+    assert allocate(table, budget_bits=30) == {"a": "y", "b": "x"}
+    assert allocate(table, budget_bits=40) == {"a": "y", "b": "y"}
+    assert allocate(table, max_damage=1.0) == {"a": "y", "b": "x"}
+
+
+@functools.lru_cache(maxsize=1)
+def _tiny_task():
+    """A 3-layer MLP learning a fixed random teacher; held-out cross-entropy as eval_fn."""
+    g = torch.Generator().manual_seed(0)
+    teacher = torch.randn(16, 8, generator=g)
+    x = torch.randn(3000, 16, generator=g)
+    y = (x @ teacher + 0.3 * torch.randn(3000, 8, generator=g)).argmax(1)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 8))
+    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+    for i in range(200):
+        idx = torch.randint(0, 2500, (128,), generator=g)
+        loss = F.cross_entropy(m(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    xh, yh = x[2500:], y[2500:]
+
+    def eval_fn(weights):
+        with torch.no_grad():
+            return float(F.cross_entropy(torch.func.functional_call(m, {k: v.float() for k, v in weights.items()}, (xh,)), yh))
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}, eval_fn
+
+
+def test_sensitivity_allocation_beats_uniform_at_equal_size(tmp_path):
+    sd, eval_fn = _tiny_task()
+    cands = ("int2-g32", "int3-g32", "int4-g32", "int6-g32", "int8-g32")
+    for uni in ("int3-g32", "int4-g32"):
+        u = ex.export(sd, tmp_path / f"u{uni}.ckz", scheme=uni, eval_fn=eval_fn)
+        a = ex.export(sd, tmp_path / f"a{uni}.ckz", scheme="auto", bpw=u["bpw_est"], eval_fn=eval_fn,
+                      candidates=cands)
+        assert a["bpw_est"] <= u["bpw_est"] + 1e-9
+        assert a["loss"]["measured"] < u["loss"]["measured"], (uni, a["loss"], u["loss"])
+        assert a["loss"]["predicted"] is not None
+    # loss budget: the cheapest choice within +1 %
+    b = ex.export(sd, tmp_path / "b.ckz", scheme="auto", max_loss_increase=0.01, eval_fn=eval_fn, candidates=cands)
+    assert b["loss"]["predicted"] - b["loss"]["base"] <= 0.01 * b["loss"]["base"] + 1e-12
+
+
+def test_proxy_allocation_without_eval_fn(tmp_path):
+    sd, _ = _tiny_task()
+    r = ex.export(sd, tmp_path / "p.ckz", scheme="auto", bpw=4.0)
+    assert r["mode"] == "proxy" and r["bpw_est"] <= 4.0 + 1e-9
+    assert len(ex.load_lossy(tmp_path / "p.ckz")) == len(sd)
+
+
+def test_format_report_is_a_rich_table(tmp_path):
+    pytest.importorskip("rich")
+    r = ex.export(_mlp().state_dict(), tmp_path / "o.ckz", scheme="int4")
+    t = ex.format_report(r)
+    assert t.row_count == len(r["quantized"]) + len(r["kept"])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_source(tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    sd = _mlp().state_dict()
+    dcp.save({"model": dict(sd)}, checkpoint_id=str(tmp_path / "dcp"))
+    r = ex.export(tmp_path / "dcp", tmp_path / "o.ckz", scheme="int8")
+    assert set(r["quantized"]) == {"0.weight", "3.weight"}
+    assert os.path.exists(tmp_path / "o.ckz")
+
+
+def test_explicit_scheme_mapping(tmp_path):
+    r = ex.export(_mlp().state_dict(), tmp_path / "o.ckz", scheme={"0.weight": "int8", "3.weight": "int2-g32"})
+    assert r["mode"] == "explicit" and r["quantized"]["3.weight"]["scheme"] == "int2-g32"
+    with ckptzip.open(tmp_path / "o.ckz") as rd:
+        assert rd.metadata["ckptzip.lossy.scheme"] == "explicit:int2-g32,int8-g128"
+    with pytest.raises(ex.SchemeError, match="no entry"):
+        ex.export(_mlp().state_dict(), tmp_path / "p.ckz", scheme={"0.weight": "int8"})
+
+
+def test_safetensors_without_the_package(tmp_path, monkeypatch):
+    """The built-in safetensors writer and reader (used when the package is missing)."""
+    import sys
+
+    from ckptzip.export.ctensors import _save_safetensors
+    from ckptzip.export.sources import _read_safetensors
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    sd = {"a.weight": torch.randn(4, 6).bfloat16(), "b": torch.arange(5), "f8": torch.randn(3).to(torch.float8_e4m3fn)}
+    _save_safetensors(sd, str(tmp_path / "m.safetensors"), {"format": "pt"})
+    back = _read_safetensors(str(tmp_path / "m.safetensors"))
+    assert all(torch.equal(back[k].view(torch.uint8), sd[k].view(torch.uint8)) for k in sd)
+    monkeypatch.undo()
+    st = pytest.importorskip("safetensors.torch")
+    assert all(torch.equal(v.view(torch.uint8), sd[k].view(torch.uint8)) for k, v in st.load_file(tmp_path / "m.safetensors").items())
