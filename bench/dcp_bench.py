@@ -126,6 +126,11 @@ def train(steps: int, d: int, layers: int, heads: int, ctx: int, batch: int, dev
     return model, opt
 
 
+def u8(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a tensor (bit-exact comparison: NaN payloads and -0.0 count)."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
 def local_tensors(sd, out=None):
     """Every tensor's local data (a DTensor's shard), in a stable order."""
     from torch.distributed.tensor import DTensor
@@ -157,6 +162,50 @@ def clone_state(sd):
     return sd
 
 
+def consolidate_check(path, state, mine):
+    """ckptzip consolidate on rank 0 (one .ckz, no process group needed to read it), then every
+    rank checks its shards against the consolidated full tensors, bit-exact."""
+    import ckptzip
+    import ckptzip.dcp as cz
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    out = path + ".consolidated.ckz"
+    t = time.perf_counter()
+    if rank() == 0:
+        cz.consolidate(path, out)
+    barrier()
+    dt = time.perf_counter() - t
+    full = ckptzip.load(out, map_location="cpu")
+    ok = True
+
+    def walk(a, b):
+        nonlocal ok
+        if isinstance(a, dict):
+            for k in a:
+                walk(a[k], b[k])
+        elif isinstance(a, list):
+            for x, y in zip(a, b):
+                walk(x, y)
+        elif isinstance(a, DTensor):
+            shape, off = compute_local_shape_and_global_offset(a.shape, a.device_mesh, a.placements)
+            part = b
+            for d, (o, n) in enumerate(zip(off, shape)):
+                part = part.narrow(d, o, n)
+            loc = a.to_local().cpu()
+            ok &= torch.equal(u8(loc), u8(part))
+        elif isinstance(a, torch.Tensor):
+            ok &= torch.equal(u8(a.cpu()), u8(b))
+    walk(state, full)
+    del full
+    flag = torch.tensor([int(ok)], device=mine[0].device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    barrier()
+    size = os.path.getsize(out) if rank() == 0 else None
+    if rank() == 0:
+        os.remove(out)
+    return {"s": dt, "bytes": size, "bit_exact": bool(flag.item())}
+
+
 def methods(args):
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
     out = {
@@ -177,7 +226,7 @@ def methods(args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=50, help="training steps before saving (default 50)")
-    ap.add_argument("--d", type=int, default=2048, help="model width (default 2048: 1.2 B params with 24 layers)")
+    ap.add_argument("--width", dest="d", type=int, default=2048, help="model width (default 2048: 1.2 B params with 24 layers)")
     ap.add_argument("--layers", type=int, default=24, help="transformer blocks (default 24)")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--ctx", type=int, default=512)
@@ -186,6 +235,7 @@ def main():
     ap.add_argument("--backend", default=None, help="nccl (one GPU per rank, default) or gloo")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where dcp_bench.json goes")
     ap.add_argument("--reps", type=int, default=2, help="saves per method (default 2)")
+    ap.add_argument("--no-consolidate", action="store_true", help="skip ckptzip consolidate + its check")
     a = ap.parse_args()
     backend = a.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend)
@@ -235,9 +285,7 @@ def main():
             r["load_s"] = time.perf_counter() - t
         r["load_gpu_mib"], r["load_rss_mib"] = pk.gpu_mib, pk.rss_mib
         got = local_tensors(target)
-        exact = all(torch.equal(x.view(torch.uint8) if x.dtype != torch.bool else x,
-                                y.view(torch.uint8) if y.dtype != torch.bool else y)
-                    for x, y in zip(mine, got)) and len(mine) == len(got)
+        exact = all(torch.equal(u8(x), u8(y)) for x, y in zip(mine, got)) and len(mine) == len(got)
         flag = torch.tensor([int(exact)], device=dev if backend == "nccl" else "cpu")
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         r["bit_exact"] = bool(flag.item())
@@ -265,6 +313,11 @@ def main():
             for rep in range(a.reps):
                 shutil.rmtree(path + f"_async{rep}", ignore_errors=True)
         r["ratio"] = r["bytes"] / raw if r["bytes"] else None
+        if name.startswith("ckptzip") and not a.no_consolidate:
+            r["consolidate"] = consolidate_check(path, state, mine)
+        if rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        barrier()
         res["methods"][name] = r
         log(name, json.dumps(r))
     if rank() == 0:
