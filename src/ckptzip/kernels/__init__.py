@@ -18,6 +18,7 @@ import threading
 
 _MOD: object = False  # False: not tried; None: unavailable; else the module
 _READY = threading.Event()
+_STOP = threading.Event()  # set at interpreter exit: the warm-up stops after the kernel it compiles
 _LOCK = threading.Lock()
 _STARTED = False
 
@@ -50,6 +51,8 @@ def _warm(device: int) -> None:
                 for width in (2, 4, 8):
                     for n in (4096, 4100):  # word counts divisible by 16, and not
                         for block in (1 << 20, 4099):
+                            if _STOP.is_set():
+                                return
                             x = torch.zeros(n * width, dtype=torch.uint8, device="cuda")
                             y = mod.encode(x, width, block)
                             mod.decode(y, torch.empty_like(x), width, block)
@@ -96,4 +99,13 @@ def _start() -> None:
         _MOD = None
         _READY.set()
         return
-    threading.Thread(target=_warm, args=(dev,), name="ckptzip-triton-warmup", daemon=True).start()
+    # Not a daemon: a daemon thread killed inside CUDA or Triton's C++ code at interpreter exit
+    # aborts the process. At exit the hook below stops it after the kernel it is compiling, and
+    # the interpreter joins it.
+    try:
+        threading._register_atexit(_STOP.set)
+    except RuntimeError:  # the interpreter is exiting (a pending save finishing): torch path
+        _MOD = None
+        _READY.set()
+        return
+    threading.Thread(target=_warm, args=(dev,), name="ckptzip-triton-warmup").start()
