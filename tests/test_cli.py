@@ -239,7 +239,7 @@ def test_sigterm_mid_write_removes_temp_file(tmp_path):
     pt, out = tmp_path / "big.pt", tmp_path / "big.ckz"
     torch.manual_seed(0)
     torch.save({"x": torch.randn(4_000_000)}, pt)  # 16 MB: seconds at zstd level 19
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(SRC)}
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     p = subprocess.Popen([sys.executable, "-m", "ckptzip", "compress", str(pt), str(out), "--codec",
                           "zstd", "--level", "19"], stderr=subprocess.PIPE, text=True, env=env)
     t0 = time.time()
@@ -257,7 +257,7 @@ def test_sigterm_mid_write_removes_temp_file(tmp_path):
 
 
 def test_python_m_ckptzip(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(SRC)}
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     r = subprocess.run([sys.executable, "-m", "ckptzip", "info", str(tmp_path)], capture_output=True,
                        text=True, env=env)
     assert r.returncode == 1 and r.stdout == ""

@@ -84,7 +84,7 @@ def test_zstd_bomb_claiming_a_gigabyte_stays_small(tmp_path, content_size):
     assert len(bomb) < 64 * 1024
     q = tmp_path / "bomb.ckz"
     write_parts(q, replace_chunk(data, rows, 0, bomb), doc, rows)
-    env = dict(os.environ, PYTHONPATH=SRC)
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(q)], capture_output=True, text=True,
                          env=env, timeout=300)
     err, grown, secs = out.stdout.split()

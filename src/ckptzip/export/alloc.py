@@ -34,11 +34,14 @@ def role_weight(name: str) -> float:
 
 def measure(weights: Mapping[str, torch.Tensor], names: Sequence[str], candidates: Sequence[str],
             eval_fn: Callable[[dict], float] | None, progress: Callable[[int, int], None] | None = None,
-            dtype: torch.dtype = torch.bfloat16) -> tuple[dict, float | None]:
-    """{name: {scheme: {"bits", "damage", "err"}}} and the base loss (None without eval_fn)."""
+            dtype: torch.dtype = torch.bfloat16, eval_weights: Mapping[str, torch.Tensor] | None = None
+            ) -> tuple[dict, float | None]:
+    """{name: {scheme: {"bits", "damage", "err"}}} and the base loss (None without eval_fn).
+    ``weights`` are quantized where they are (e.g. on the GPU); ``eval_fn`` sees ``eval_weights``
+    (default: ``weights``), the caller's tensors on their own devices, one replaced at a time."""
     table: dict[str, dict[str, dict[str, float]]] = {}
     base = None
-    work = dict(weights)
+    work = dict(weights if eval_weights is None else eval_weights)
     if eval_fn is not None:
         base = float(eval_fn(work))
     total, done = len(names) * len(candidates), 0
@@ -49,9 +52,10 @@ def measure(weights: Mapping[str, torch.Tensor], names: Sequence[str], candidate
             e = quantize(w, s, name=n)
             row = {"bits": estimate_bits(e), "err": float(e["q"]["err"])}
             if eval_fn is not None:
-                work[n] = dequantize(e, dtype=dtype).to(w.dtype)
+                orig = work[n]
+                work[n] = dequantize(e, dtype=dtype).to(device=orig.device, dtype=orig.dtype)
                 row["damage"] = float(eval_fn(work)) - base
-                work[n] = w
+                work[n] = orig
             else:
                 row["damage"] = role_weight(n) * row["err"] ** 2
             table[n][s] = row

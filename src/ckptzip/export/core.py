@@ -123,7 +123,7 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
         for n in quant_names:
             check_scheme_dtype(n, work[n], parse_scheme(cands[0]))
         full = {**{k: v.to(dev) for k, v in weights.items() if k not in work}, **work}
-        table, base = alloc.measure(full, quant_names, cands, eval_fn, progress, dtype)
+        table, base = alloc.measure(full, quant_names, cands, eval_fn, progress, dtype, eval_weights=weights)
         budget_bits = None if bpw is None else bpw * n_weights
         if budget_bits is not None:
             cheapest = sum(min(r["bits"] for r in table[n].values()) for n in quant_names)
