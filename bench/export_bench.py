@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import gpt  # noqa: E402
 
-from ckptzip import export as ex  # noqa: E402
-from ckptzip.export import alloc  # noqa: E402
+from ckptzip import lossy as ex  # noqa: E402
+from ckptzip.lossy import alloc  # noqa: E402
 
 UNIFORM = ("fp8", "int8-g128", "int6-g128", "int5-g128", "int4-g128", "int4-g32", "int3-g32", "int2-g32")
 

@@ -11,9 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ckptzip
-from ckptzip import export as ex
-from ckptzip.export.alloc import allocate
-from ckptzip.export.quant import pack_bits, unpack_bits
+from ckptzip import lossy as ex
+from ckptzip.lossy.alloc import allocate
+from ckptzip.lossy.quant import pack_bits, unpack_bits
 
 INT_SCHEMES = [f"int{b}-g{g}{s}" for b in range(2, 9) for g in (32, 128) for s in ("", "-sym")]
 
@@ -317,8 +317,8 @@ def test_safetensors_without_the_package(tmp_path, monkeypatch):
     """The built-in safetensors writer and reader (used when the package is missing)."""
     import sys
 
-    from ckptzip.export.ctensors import _save_safetensors
-    from ckptzip.export.sources import _read_safetensors
+    from ckptzip.lossy.ctensors import _save_safetensors
+    from ckptzip.lossy.sources import _read_safetensors
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
     sd = {"a.weight": torch.randn(4, 6).bfloat16(), "b": torch.arange(5), "f8": torch.randn(3).to(torch.float8_e4m3fn)}
     _save_safetensors(sd, str(tmp_path / "m.safetensors"), {"format": "pt"})
@@ -327,3 +327,17 @@ def test_safetensors_without_the_package(tmp_path, monkeypatch):
     monkeypatch.undo()
     st = pytest.importorskip("safetensors.torch")
     assert all(torch.equal(v.view(torch.uint8), sd[k].view(torch.uint8)) for k, v in st.load_file(tmp_path / "m.safetensors").items())
+
+
+def test_resume_paths_refuse_lossy_files(tmp_path):
+    """The Lightning and DeepSpeed integrations refuse to resume from a lossy export."""
+    from ckptzip.integrations.deepspeed import CkptzipCheckpointEngine
+    from ckptzip.lossy import LossyCheckpointError
+    p = tmp_path / "lossy.ckz"
+    ex.export(_mlp().state_dict(), p, scheme="int8")
+    with pytest.raises(LossyCheckpointError):
+        CkptzipCheckpointEngine().load(str(p))
+    pytest.importorskip("lightning")
+    from ckptzip.lightning import CkptzipCheckpointIO
+    with pytest.raises(LossyCheckpointError):
+        CkptzipCheckpointIO().load_checkpoint(p)

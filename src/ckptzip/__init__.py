@@ -9,9 +9,10 @@ from .errors import (ChecksumError, CkptzipError, CodecError, CorruptFileError, 
 from .api import CheckpointReader, load, open, save  # noqa: E402,A004
 from .asyncsave import SaveHandle, async_save  # noqa: E402
 from .manager import CheckpointManager  # noqa: E402
+from .lossy import export  # noqa: E402  (ckptzip.lossy holds the rest: load_lossy, is_lossy, ...)
 
 __all__ = [
-    "save", "load", "open", "CheckpointReader", "async_save", "SaveHandle", "CheckpointManager",
+    "save", "load", "open", "CheckpointReader", "async_save", "SaveHandle", "CheckpointManager", "export",
     "CkptzipError", "CorruptFileError", "TruncatedFileError", "ChecksumError",
     "UnsupportedVersionError", "UnknownCodecError", "CodecError", "GPURequiredError",
     "PickleNotAllowedError", "UnsupportedObjectError", "TensorNotFoundError", "ResourceLimitError",

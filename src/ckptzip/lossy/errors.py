@@ -5,7 +5,7 @@ from ..errors import CkptzipError
 
 
 class ExportError(CkptzipError):
-    """Base class of every error raised by ckptzip.export."""
+    """Base class of every error raised by ckptzip.export (ckptzip.lossy)."""
 
 
 class NoFloatWeightsError(ExportError):

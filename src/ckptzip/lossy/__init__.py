@@ -1,9 +1,9 @@
 """Opt-in lossy export: weights-only artifacts (quantized, entropy-coded) from any checkpoint
 ckptzip reads. Resume checkpoints stay lossless; see docs/export.md.
 
-    report = ckptzip.export.export("run/step_2000.ckz", "model-int4.ckz", scheme="int4")
-    weights = ckptzip.export.load_lossy("model-int4.ckz")        # {name: bf16 tensor}
-    ckptzip.export.ensure_lossless(path)                          # resume paths: refuse lossy files
+    report = ckptzip.export("run/step_2000.ckz", "model-int4.ckz", scheme="int4")
+    weights = ckptzip.lossy.load_lossy("model-int4.ckz")        # {name: bf16 tensor}
+    ckptzip.lossy.ensure_lossless(path)                          # resume paths: refuse lossy files
 """
 from .core import (FORMAT, META_LOSSY, META_SCHEME, ensure_lossless, export, format_report, is_lossy,
                    load_codes, load_lossy)

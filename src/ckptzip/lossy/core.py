@@ -276,7 +276,7 @@ def load_lossy(path: Any, dtype: torch.dtype = torch.bfloat16, device: str | Non
 
 def load_codes(path: Any) -> dict[str, Any]:
     """The raw lossy tree: ``{"tensors": {name: {"q", "codes", "scales", "zeros"}}, "kept", "report"}``
-    (unpack codes with ckptzip.export.unpack_codes)."""
+    (unpack codes with ckptzip.lossy.unpack_codes)."""
     return dict(_load_tree(path))
 
 
