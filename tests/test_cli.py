@@ -429,3 +429,81 @@ def test_safetensors_roundtrip_through_cli(tmp_path, capsys):
     assert cli("decompress", tmp_path / "m.ckz", tmp_path / "out.safetensors", "-q") == 0
     back, meta = torchfile.read_safetensors(tmp_path / "out.safetensors")
     assert meta == {"k": "v"} and all(same_bits(back[k], ts[k]) for k in ts)
+
+
+# ------------------------------------------------------------------ DCP directories, ls, --max-bytes
+def _dcp_dir(path):
+    import torch.distributed.checkpoint as dcp
+    from ckptzip.dcp import Writer
+    state = {"model": {"w": torch.randn(6, 4), "b": torch.arange(5)}, "step": 7}
+    dcp.save(state, storage_writer=Writer(path))
+    return state
+
+
+def test_dcp_directory_info_verify_consolidate(tmp_path, capsys):
+    d = tmp_path / "dcp"
+    state = _dcp_dir(d)
+    assert cli("info", d, "--json") == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["format"] == "ckptzip-dcp" and [f["name"] for f in info["files"]] == ["__0_0.ckz"]
+    fq = {r["fqn"]: r for r in info["items"]}
+    assert fq["model.w"]["sizes"] == [6, 4] and fq["model.w"]["file"] == "__0_0.ckz" and fq["step"]["dtype"] == "bytes"
+    assert cli("info", d) == 0
+    out = capsys.readouterr().out
+    assert "model.w" in out and "__0_0.ckz" in out
+    assert cli("verify", d) == 0 and capsys.readouterr().out.startswith("OK")
+    out_ckz = tmp_path / "full.ckz"
+    assert cli("consolidate", d, out_ckz) == 0
+    cap = capsys.readouterr()
+    assert cap.err == ""  # no progress bar when stderr is not a terminal
+    got = ckptzip.load(out_ckz)
+    assert_same(got["model"], state["model"]) and got["step"] == 7
+    # damage: a rank file's bytes flipped (same size) -> verify fails; missing dir -> one error line
+    rank = d / "__0_0.ckz"
+    raw = bytearray(rank.read_bytes())
+    raw[100] ^= 0xFF
+    rank.write_bytes(bytes(raw))
+    assert cli("verify", d) == 1 and "FAILED" in capsys.readouterr().out
+    os.unlink(d / "COMMIT")
+    assert cli("verify", d) == 1 and "IncompleteCheckpointError" in capsys.readouterr().out
+    assert cli("consolidate", d, tmp_path / "x.ckz") == 1
+    one_error_line(capsys.readouterr().err)
+    assert cli("consolidate", tmp_path / "nope", tmp_path / "x.ckz") == 1
+    one_error_line(capsys.readouterr().err)
+
+
+def test_ls_shows_status_and_distributed_entries(tmp_path, capsys):
+    from ckptzip import CheckpointManager
+    m = CheckpointManager(tmp_path, keep_last=None)
+    m.save(1, {"a": torch.ones(3)})
+    md = CheckpointManager(tmp_path, keep_last=None, distributed=True)  # no process group: 1 rank
+    md.save(2, {"a": torch.ones(3)})
+    (tmp_path / "step-000000003.ckz").write_bytes(b"partial")        # uncommitted
+    (tmp_path / "step-000000004.commit").write_text("{not json")      # damaged
+    assert cli("ls", tmp_path, "--json") == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["steps"] == [1, 2] and doc["latest"] == 2
+    st = {e["step"]: (e["status"], e["kind"]) for e in doc["entries"]}
+    assert st == {1: ("committed", "file"), 2: ("committed", "dcp"), 3: ("uncommitted", "file"),
+                  4: ("damaged", "file")}
+    assert cli("ls", tmp_path) == 0
+    out = capsys.readouterr().out
+    for word in ("committed", "uncommitted", "damaged", "dcp"):
+        assert word in out
+    assert "not UTF-8 JSON" in [e for e in doc["entries"] if e["step"] == 4][0]["reason"]
+    assert md.load(2, state={"a": torch.zeros(3)})["a"].sum() == 3
+
+
+def test_max_bytes_option(tmp_path, capsys):
+    p = tmp_path / "a.ckz"
+    ckptzip.save({"a": torch.zeros(1000)}, p)
+    assert cli("info", p, "--max-bytes", 10) == 0  # the manifest only: nothing decoded
+    capsys.readouterr()
+    for cmd in (("verify", p), ("decompress", p, tmp_path / "a.pt"),
+                ("convert", p, tmp_path / "b.ckz")):
+        assert cli(*cmd, "--max-bytes", 10) == 1, cmd
+        cap = capsys.readouterr()
+        assert "FAILED" in cap.out if cmd[0] == "verify" else one_error_line(cap.err)
+        assert cli(*cmd, "--max-bytes", 1 << 20) == 0, cmd
+        capsys.readouterr()
+    assert cli("info", p, "--max-bytes", "-1") == 2

@@ -215,21 +215,21 @@ class _OnGPU:
     """A compressed group kept on the GPU during the snapshot; the background writer copies it
     to the host arena (:meth:`fetch`) and then lets the GPU memory go."""
 
-    def __init__(self, buf: torch.Tensor, rel, per_unit: list, packed: torch.cuda.Event) -> None:
-        self.buf, self.rel, self.per_unit, self._packed = buf, rel, per_unit, packed
+    def __init__(self, buf: torch.Tensor, rel, per_unit: list, packed: torch.cuda.Event, arena: Arena) -> None:
+        self.buf, self.rel, self.per_unit, self._packed, self.arena = buf, rel, per_unit, packed, arena
 
     def fetch(self) -> tuple:
         buf, self.buf = self.buf, None
-        host, done = _copy_to_host(buf, self._packed)
+        host, done = _copy_to_host(buf, self._packed, self.arena)
         done.synchronize()
         return host, self.rel, self.per_unit
 
 
-def _copy_to_host(buf: torch.Tensor, after: torch.cuda.Event) -> tuple[torch.Tensor, torch.cuda.Event]:
+def _copy_to_host(buf: torch.Tensor, after: torch.cuda.Event, arena: Arena) -> tuple[torch.Tensor, torch.cuda.Event]:
     """Copy a GPU buffer into an arena slice on the device's side stream once ``after`` has
     happened; returns the slice and the event that marks the copy done."""
     stream = _copy_stream(buf.device)
-    host = ARENA.take(buf.numel())
+    host = arena.take(buf.numel())
     with torch.cuda.device(buf.device), torch.cuda.stream(stream):
         stream.wait_event(after)
         host.copy_(buf, non_blocking=True)
@@ -250,7 +250,7 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     return s
 
 
-def _snapshot(prep, gpu_bytes: int | None) -> list:
+def _snapshot(prep, gpu_bytes: int | None, arena: Arena) -> list:
     """Make the prepared save independent of the caller's tensors; returns per group one of:
     an :class:`_OnGPU` (compressed, packed into one GPU buffer: the snapshot is the compressed
     bytes, copied to the host later by the writer), (host, rows, chunks per unit) for a group
@@ -258,7 +258,7 @@ def _snapshot(prep, gpu_bytes: int | None) -> list:
     copied to the host, encoded later: CPU codecs)."""
     # upper bound: stored bytes never exceed raw bytes; plus alignment padding per chunk and group
     bound = sum(u.data.numel() + 16 * len(u.sizes) for grp in prep.groups for u in grp) + 64 * len(prep.groups)
-    ARENA.reset(bound)
+    arena.reset(bound)
     if gpu_bytes is None and torch.cuda.is_available():
         gpu_bytes = torch.cuda.mem_get_info()[0] // 4
     staged = []
@@ -276,20 +276,64 @@ def _snapshot(prep, gpu_bytes: int | None) -> list:
             packed.record()
             if held + buf.numel() <= (gpu_bytes or 0):
                 held += buf.numel()
-                staged.append(_OnGPU(buf, rel, per_unit, packed))
+                staged.append(_OnGPU(buf, rel, per_unit, packed, arena))
             else:
                 # over the GPU snapshot budget: copy to the host now, on the side stream, while
                 # the next group compresses
-                host, done = _copy_to_host(buf, packed)
+                host, done = _copy_to_host(buf, packed, arena)
                 inflight.append(done)
                 staged.append((host, rel, per_unit))
         else:
             for u in grp:
-                u.data = ARENA.take(u.data.numel()).copy_(u.data)
+                u.data = arena.take(u.data.numel()).copy_(u.data)
             staged.append(None)
     for ev in inflight:
         ev.synchronize()
     return staged
+
+
+class Snapshot:
+    """A save of one object, planned and made independent of the object's tensors (see
+    :func:`snapshot`). ``raw_bytes`` (int): the raw size of the object's storages; ``stall_s``
+    (float, seconds): how long taking it blocked. :meth:`write` writes it once."""
+
+    def __init__(self, prep, staged: list, arena: Arena, stall_s: float) -> None:
+        self._prep, self._staged, self.arena, self.stall_s = prep, staged, arena, stall_s
+        self.raw_bytes = prep.total
+        self._written = False
+
+    def write(self, path, *, fsync: bool = True, progress=None) -> dict:
+        """Write the snapshot to ``path`` (local path, fsspec URL or writable binary file object)
+        exactly as :func:`ckptzip.save` would have written the object at snapshot time; returns
+        the same summary ``{"raw_bytes", "stored_bytes", "path"}``. Blocking; may run in any
+        thread. One call per snapshot (the staged buffers are consumed); the arena it used may be
+        reused once it returns."""
+        if self._written:
+            raise RuntimeError("this snapshot was already written")
+        self._written = True
+        staged, self._staged = self._staged, None
+        return write(self._prep, path, fsync, progress, staged)
+
+
+def snapshot(obj: Any, *, codec: str | dict = "auto", transform: str | None = "auto",
+             chunk_size: int = DEFAULT_CHUNK, level: int | None = None, metadata=None,
+             allow_pickle: bool = False, device: str | None = None, portable: bool = False,
+             storage_gbps: float | None = None, window: int | None = None, reuse_plan: bool = True,
+             gpu_snapshot_bytes: int | None = None, arena: Arena | None = None) -> Snapshot:
+    """Take a consistent snapshot of ``obj`` for a later :meth:`Snapshot.write` (the building
+    block of :func:`async_save`, also used by ``ckptzip.dcp.Writer.stage``). Arguments as for
+    :func:`async_save`. On a GPU the snapshot is the compression itself (compressed chunks held
+    in GPU memory up to ``gpu_snapshot_bytes``, the rest copied to the host arena now); on the
+    CPU it is a copy of the raw bytes into the arena. Once it returns, ``obj``'s tensors may
+    change. ``arena`` (default None: the module's shared arena, which :func:`async_save` also
+    uses: one snapshot in flight at a time): the host :class:`Arena` the snapshot's bytes live
+    in until :meth:`Snapshot.write` returns; pass your own to keep several snapshots apart."""
+    t0 = time.perf_counter()
+    arena = ARENA if arena is None else arena
+    prep = prepare(obj, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
+                   storage_gbps, window, reuse_plan)
+    staged = _snapshot(prep, gpu_snapshot_bytes, arena)
+    return Snapshot(prep, staged, arena, time.perf_counter() - t0)
 
 
 def async_save(obj: Any, path, *, codec: str | dict = "auto", transform: str | None = "auto",
@@ -340,14 +384,14 @@ def async_save(obj: Any, path, *, codec: str | dict = "auto", transform: str | N
                 err.add_note(f"(raised by async_save: the previous background save to {prev.path} "
                              "failed; the new save was not started)")
             raise err
-    t0 = time.perf_counter()
-    prep = prepare(obj, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
-                    storage_gbps, window, reuse_plan)
-    staged = _snapshot(prep, gpu_snapshot_bytes)
+    snap = snapshot(obj, codec=codec, transform=transform, chunk_size=chunk_size, level=level,
+                    metadata=metadata, allow_pickle=allow_pickle, device=device, portable=portable,
+                    storage_gbps=storage_gbps, window=window, reuse_plan=reuse_plan,
+                    gpu_snapshot_bytes=gpu_snapshot_bytes)
     handle = SaveHandle()
     handle.path = str(path)
-    handle.stall_s = time.perf_counter() - t0
-    handle._start(lambda: write(prep, path, fsync, progress, staged), "ckptzip-async-save")
+    handle.stall_s = snap.stall_s
+    handle._start(lambda: snap.write(path, fsync=fsync, progress=progress), "ckptzip-async-save")
     with _LAST_LOCK:
         _LAST = handle
     return handle

@@ -34,7 +34,11 @@ from . import __version__
 from .codecs.base import MAX_CHUNK
 from .cost import CostInputs, monthly_cost
 from .engine import DEFAULT_CHUNK
-from .errors import CkptzipError
+from .errors import CkptzipError, CorruptFileError
+
+
+class CorruptDCPError(CorruptFileError):
+    """A DCP checkpoint's rank file lacks an item its metadata names."""
 
 console = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -287,7 +291,8 @@ def cmd_decompress(a) -> int:
     _check_io(a.input, a.output)
     fmt = _out_format(a)
     with progress_bar("decompressing", a.quiet) as cb, \
-            api.open(a.input, map_location="cpu", allow_pickle=a.allow_pickle, progress=cb) as r:
+            api.open(a.input, map_location="cpu", allow_pickle=a.allow_pickle, progress=cb,
+                     max_bytes=a.max_bytes) as r:
         obj = r.load()
         meta = r.metadata
     if fmt == "safetensors":
@@ -308,7 +313,8 @@ def cmd_convert(a) -> int:
     _check_save_options(a)
     _check_io(a.input, a.output)
     with progress_bar("decoding", a.quiet) as cb, \
-            api.open(a.input, map_location=None, allow_pickle=a.allow_pickle, progress=cb) as r:
+            api.open(a.input, map_location=None, allow_pickle=a.allow_pickle, progress=cb,
+                     max_bytes=a.max_bytes) as r:
         obj = r.load()
         meta = r.metadata
     with progress_bar("encoding", a.quiet) as cb:
@@ -324,10 +330,99 @@ def _check_input(path: str) -> None:
         raise IsADirectoryError(21, "Is a directory (expected a .ckz file)", path)
 
 
-def info_rows(path: str) -> tuple[dict, list[dict]]:
+def _is_dcp_dir(path: str) -> bool:
+    """A ckptzip DCP checkpoint directory (it holds the JSON metadata or the commit marker)."""
+    from .dcp import COMMIT_NAME, METADATA_NAME, _join, _size
+    if _is_url(path):
+        return _size(_join(path, METADATA_NAME)) is not None or _size(_join(path, COMMIT_NAME)) is not None
+    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, n)) for n in (METADATA_NAME, COMMIT_NAME))
+
+
+def dcp_info(path: str) -> dict:
+    """The rank files and the per-tensor chunk table of a ckptzip DCP checkpoint directory."""
+    from .dcp import read_metadata
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    md = read_metadata(path)
+    files: dict[str, int] = {}
+    where: dict[tuple, Any] = {}
+    for idx, st in md.storage_data.items():
+        files[st.file] = st.file_bytes
+        where[(idx.fqn, None if idx.offset is None else tuple(idx.offset))] = st
+    tensors, raw = [], 0
+    for fqn, m in md.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            item = m.properties.dtype.itemsize
+            for c in m.chunks:
+                st = where[(fqn, tuple(c.offsets))]
+                n = item
+                for x in c.sizes:
+                    n *= x
+                raw += n
+                tensors.append({"fqn": fqn, "dtype": str(m.properties.dtype).replace("torch.", ""),
+                                "size": list(m.size), "offsets": list(c.offsets), "sizes": list(c.sizes),
+                                "raw_bytes": n, "file": st.file, "key": st.key})
+        else:
+            st = where[(fqn, None)]
+            tensors.append({"fqn": fqn, "dtype": "bytes", "size": None, "offsets": None, "sizes": None,
+                            "raw_bytes": None, "file": st.file, "key": st.key})
+    return {"path": path, "format": "ckptzip-dcp", "files": [{"name": k, "bytes": v} for k, v in sorted(files.items())],
+            "file_bytes": sum(files.values()), "tensor_raw_bytes": raw, "items": tensors}
+
+
+def cmd_info_dcp(a) -> int:
+    d = dcp_info(a.file)
+    if a.json:
+        print(json.dumps(d, indent=1))
+        return 0
+    t = Table(title=line(f"{a.file}  (ckptzip DCP checkpoint, {len(d['files'])} rank files)"))
+    for c in ("file", "bytes"):
+        t.add_column(c, justify="right" if c == "bytes" else "left")
+    for f in d["files"]:
+        t.add_row(text(f["name"]), f"{f['bytes']:,}")
+    console.print(t)
+    t = Table(title=line("items"))
+    for c in ("fqn", "dtype", "size", "chunk offsets", "chunk sizes", "raw", "file"):
+        t.add_column(c, justify="right" if c == "raw" else "left", overflow="fold" if c == "fqn" else "ellipsis")
+    for r in d["items"]:
+        t.add_row(text(r["fqn"]), text(r["dtype"]), text(_shape(r["size"]) if r["size"] is not None else ""),
+                  text(",".join(map(str, r["offsets"] or []))), text(_shape(r["sizes"]) if r["sizes"] is not None else ""),
+                  text("" if r["raw_bytes"] is None else f"{r['raw_bytes']:,}"), text(r["file"]))
+    console.print(t)
+    say(line(f"tensor bytes {d['tensor_raw_bytes']:,} -> files {d['file_bytes']:,} "
+             f"(ratio {d['file_bytes'] / max(1, d['tensor_raw_bytes']):.3f}), {len(d['files'])} rank files, "
+             f"{len(d['items'])} items"))
+    return 0
+
+
+def cmd_verify_dcp(a) -> int:
+    from . import api
+    from .dcp import read_metadata
+    try:
+        md = read_metadata(a.file)  # commit marker, metadata schema, every rank file's size
+        files = sorted({s.file for s in md.storage_data.values()})
+        keys: dict[str, set] = {}
+        for s in md.storage_data.values():
+            keys.setdefault(s.file, set()).add(s.key)
+        for name in files:
+            p = f"{a.file.rstrip('/')}/{name}" if _is_url(a.file) else os.path.join(a.file, name)
+            with api.open(p, max_bytes=a.max_bytes) as r, progress_bar(f"verifying {name}", a.quiet) as cb:
+                missing = keys[name] - set(r.keys())
+                if missing:
+                    raise CorruptDCPError(f"{name} lacks item {sorted(missing)[0]!r} named by the metadata")
+                r.progress = cb
+                r.verify()
+    except CkptzipError as e:
+        say(line(("FAILED", "red"), f" {a.file}: {type(e).__name__}: {e}"))
+        return 1
+    say(line(("OK", "green"), f" {a.file}: commit marker, metadata and {len(files)} rank files "
+             "(every chunk's checksum and size) verified"))
+    return 0
+
+
+def info_rows(path: str, max_bytes: int | None = None) -> tuple[dict, list[dict]]:
     from . import api
     _check_input(path)
-    with api.open(path) as r:
+    with api.open(path, max_bytes=max_bytes) as r:
         rows = []
         for key, node in r._tensor_nodes().items():
             idx = r._storage_index(node)
@@ -352,7 +447,9 @@ def _shape(shape: Any) -> str:
 
 
 def cmd_info(a) -> int:
-    head, rows = info_rows(a.file)
+    if _is_dcp_dir(a.file):
+        return cmd_info_dcp(a)
+    head, rows = info_rows(a.file, a.max_bytes)
     if a.json:
         print(json.dumps({**head, "tensors": rows}, indent=1))  # JSON escapes control characters
         return 0
@@ -380,9 +477,11 @@ def cmd_info(a) -> int:
 
 def cmd_verify(a) -> int:
     from . import api
+    if _is_dcp_dir(a.file):
+        return cmd_verify_dcp(a)
     _check_input(a.file)
     try:
-        with api.open(a.file) as r, progress_bar("verifying", a.quiet) as cb:
+        with api.open(a.file, max_bytes=a.max_bytes) as r, progress_bar("verifying", a.quiet) as cb:
             r.progress = cb
             r.verify()
     except CkptzipError as e:
@@ -415,6 +514,32 @@ def cmd_cost(a) -> int:
     return 0
 
 
+def cmd_consolidate(a) -> int:
+    from .dcp import consolidate
+    _check_save_options(a)
+    if not _is_url(a.directory) and not os.path.isdir(a.directory):
+        raise FileNotFoundError(2, "No such directory", a.directory)
+    if os.path.abspath(a.output) == os.path.abspath(a.directory) or (
+            not _is_url(a.output) and os.path.isdir(a.output)):
+        raise UsageError(f"{a.output}: the output must be a file, not a directory")
+    from torch.distributed.checkpoint.api import CheckpointException
+    from .dcp import read_metadata
+    read_metadata(a.directory)  # named errors (not committed, bad metadata) before DCP wraps them
+    try:
+        with progress_bar("consolidating", a.quiet) as cb:
+            res = consolidate(a.directory, a.output, allow_pickle=a.allow_pickle, codec=a.codec,
+                              chunk_size=a.chunk_size, level=a.level, progress=cb, portable=a.portable,
+                              device=a.device)
+    except CheckpointException as e:  # a BaseException: give its first failure, one line
+        first = next(iter(getattr(e, "failures", {}).values()), None)
+        first = first[0] if isinstance(first, tuple) else first
+        if isinstance(first, BaseException):
+            raise first from None
+        raise CorruptDCPError(str(e).splitlines()[0]) from None
+    _summary(a.directory, res)
+    return 0
+
+
 def cmd_ls(a) -> int:
     from .manager import CheckpointManager
     if not _is_url(a.directory) and not os.path.isdir(a.directory):
@@ -424,16 +549,22 @@ def cmd_ls(a) -> int:
     m = CheckpointManager(a.directory, keep_last=None, create=False)
     if _is_url(a.directory) and not m.fs.isdir(m.root):
         raise FileNotFoundError(2, "No such directory", a.directory)
-    steps = m.steps()
+    entries = m.entries()
+    steps = [e.step for e in entries if e.status == "committed"]
     if a.json:
-        print(json.dumps({"directory": a.directory, "steps": steps, "latest": steps[-1] if steps else None}))
+        print(json.dumps({"directory": a.directory, "steps": steps, "latest": steps[-1] if steps else None,
+                          "entries": [e._asdict() for e in entries]}))
         return 0
-    t = Table(title=line(f"committed checkpoints in {a.directory}"))
-    for c in ("step", "file", "bytes"):
-        t.add_column(c, justify="right" if c != "file" else "left")
-    for s in steps:
-        p = m.path(s)
-        t.add_row(str(s), text(os.path.basename(p)), f"{m.fs.size(m._join(os.path.basename(p))):,}")
+    t = Table(title=line(f"checkpoints in {a.directory}"))
+    for c in ("step", "name", "kind", "bytes", "status", "reason"):
+        t.add_column(c, justify="right" if c in ("step", "bytes") else "left",
+                     overflow="fold" if c == "reason" else "ellipsis")
+    style = {"committed": "green", "uncommitted": "yellow", "damaged": "red"}
+    for e in entries:
+        t.add_row("" if e.step is None else str(e.step), text(e.name + ("/" if e.kind == "dcp" and
+                                                                        not e.name.endswith(".commit") else "")),
+                  text("dcp" if e.kind == "dcp" else "file"), "" if e.bytes is None else f"{e.bytes:,}",
+                  text(e.status, style[e.status]), text(e.reason or ""))
     console.print(t)
     if not steps:
         say(line("no committed checkpoint"))
@@ -506,6 +637,12 @@ def _add_pickle(sp: argparse.ArgumentParser, what: str) -> None:
                          "files you trust")
 
 
+def _add_max_bytes(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--max-bytes", type=_nonneg_int, default=None, metavar="BYTES",
+                    help="refuse files declaring more decoded bytes than this (default: max(1 GiB, "
+                         "4096 x the file size))")
+
+
 def _add_quiet(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("-q", "--quiet", action="store_true",
                     help="no progress bar (there is none anyway when stderr is not a terminal)")
@@ -545,6 +682,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "to dotted keys, shared or strided tensors written as contiguous copies, "
                         "the .ckz metadata goes to __metadata__); other values are an error")
     _add_pickle(d, "load pickled objects stored in the .ckz")
+    _add_max_bytes(d)
     _add_quiet(d)
     d.set_defaults(fn=cmd_decompress)
 
@@ -556,16 +694,38 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("output", help=".ckz file to write (replaced atomically; must not be the input)")
     add_save_options(v, "zstd")
     _add_pickle(v, "load and re-store pickled objects held by the .ckz")
+    _add_max_bytes(v)
     _add_quiet(v)
     v.set_defaults(fn=cmd_convert)
 
-    i = command("info", "table of tensors, sizes, ratios and codecs (reads the manifest only)")
-    i.add_argument("file", help=".ckz file")
+    cs = command("consolidate", "ckptzip DCP checkpoint directory -> one .ckz",
+                 "Read a sharded checkpoint written with ckptzip.dcp.Writer (any number of ranks) in "
+                 "this process, without torch.distributed, and write the whole unsharded state dict "
+                 "as one .ckz file (nested as it was saved) that ckptzip.load reads. Holds the whole "
+                 "state in host memory.")
+    cs.add_argument("directory", help="ckptzip DCP checkpoint directory (local or fsspec URL)")
+    cs.add_argument("output", help=".ckz file to write (replaced atomically)")
+    add_save_options(cs, "auto")
+    _add_pickle(cs, "load bytes items that need full unpickling (objects other than tensors, "
+                    "containers, numbers and strings) and store them pickled in the .ckz")
+    _add_quiet(cs)
+    cs.set_defaults(fn=cmd_consolidate)
+
+    i = command("info", "table of tensors, sizes, ratios and codecs (reads the manifest only)",
+                "Table of tensors, sizes, ratios and codecs of a .ckz file (reads the manifest only), "
+                "or of a ckptzip DCP checkpoint directory (ckptzip.dcp.Writer): its rank files and, "
+                "per tensor, every chunk (offsets, sizes) and the rank file holding it.")
+    i.add_argument("file", help=".ckz file or ckptzip DCP checkpoint directory")
     i.add_argument("--json", action="store_true", help="print JSON only (for scripts)")
+    _add_max_bytes(i)
     i.set_defaults(fn=cmd_info)
 
-    f = command("verify", "decode every chunk and check its checksum and size; exit 1 on failure")
-    f.add_argument("file", help=".ckz file")
+    f = command("verify", "decode every chunk and check its checksum and size; exit 1 on failure",
+                "Decode every chunk and check its checksum and size; exit 1 on failure. For a ckptzip "
+                "DCP checkpoint directory: the commit marker, the JSON metadata (validated), every "
+                "rank file's size and every chunk of every rank file.")
+    f.add_argument("file", help=".ckz file or ckptzip DCP checkpoint directory")
+    _add_max_bytes(f)
     _add_quiet(f)
     f.set_defaults(fn=cmd_verify)
 
@@ -584,7 +744,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true", help="print JSON only (for scripts)")
     k.set_defaults(fn=cmd_cost)
 
-    ls = command("ls", "committed checkpoints of a CheckpointManager directory")
+    ls = command("ls", "checkpoints of a CheckpointManager directory, with their status",
+                 "Every checkpoint of a CheckpointManager directory (files and distributed checkpoint "
+                 "directories) with its status: committed (loadable), uncommitted (no commit marker: "
+                 "in progress or interrupted) or damaged, and why.")
     ls.add_argument("directory", help="local directory or fsspec URL; it must exist")
     ls.add_argument("--json", action="store_true", help="print JSON only (for scripts)")
     ls.set_defaults(fn=cmd_ls)

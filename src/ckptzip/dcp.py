@@ -18,11 +18,13 @@ checkpoint written by N ranks loads on M ranks). The layout is documented in ``d
 from __future__ import annotations
 
 import collections
+import copy
 import hashlib
 import io
 import json
 import os
 import re
+import threading
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any
@@ -328,7 +330,7 @@ def parse_metadata_json(raw: bytes) -> tuple[Metadata, dict[str, int]]:
     storage: dict[MetadataIndex, _Stored] = {}
     if type(doc["storage_data"]) is not list:
         raise _bad("storage_data must be a list")
-    keys_seen: set[tuple[str, str]] = set()
+    keys_seen: dict[tuple[str, str], Any] = {}
     for i, it in enumerate(doc["storage_data"]):
         w = f"storage_data[{i}]"
         _want(it, {"fqn", "offset", "file", "key"}, w)
@@ -337,9 +339,8 @@ def parse_metadata_json(raw: bytes) -> tuple[Metadata, dict[str, int]]:
             raise _bad(f"{w}: fqn {fqn!r:.200} is not in state_dict_metadata")
         if type(file) is not str or file not in files:
             raise _bad(f"{w}: file {file!r:.200} is not listed in files")
-        if type(key) is not str or (file, key) in keys_seen:
-            raise _bad(f"{w}: key {key!r:.200} is not a string or is used twice in {file}")
-        keys_seen.add((file, key))
+        if type(key) is not str:
+            raise _bad(f"{w}: key {key!r:.200} is not a string")
         m = sdm[fqn]
         if isinstance(m, BytesStorageMetadata):
             if off is not None:
@@ -352,6 +353,12 @@ def parse_metadata_json(raw: bytes) -> tuple[Metadata, dict[str, int]]:
             idx = MetadataIndex(fqn, off)
         if idx in storage:
             raise _bad(f"{w}: {fqn!r:.200} at {off} is stored twice")
+        # one stored key may serve several items only when they are alike (a tensor tied under
+        # two names, staged once by Writer.stage)
+        what = "bytes" if off is None else \
+            (m.properties.dtype, next(tuple(c.sizes) for c in m.chunks if list(c.offsets) == off))
+        if keys_seen.setdefault((file, key), what) != what:
+            raise _bad(f"{w}: key {key!r:.200} is used twice in {file} for items of different dtype or size")
         storage[idx] = _Stored(file=file, key=key, file_bytes=files[file])
     for fqn, m in sdm.items():  # every saved chunk / bytes item must be stored somewhere
         idxs = [MetadataIndex(fqn)] if isinstance(m, BytesStorageMetadata) else \
@@ -436,9 +443,67 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def _tensor_id(t: torch.Tensor) -> tuple:
+    """Identity of a tensor's bytes: the same storage region seen with the same geometry."""
+    st = t.untyped_storage()
+    return (st.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
+
+
+def _local_tensors(obj: Any, path: str, out: list) -> Any:
+    """A copy of ``obj``'s containers (dicts, lists, tuples) with non-tensor leaves deep-copied
+    and tensors kept as they are; appends (path, local tensor) for every tensor (a DTensor's
+    local shard, a ShardedTensor's local shards)."""
+    if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "to_local") and hasattr(obj, "placements"):  # DTensor
+            out.append((path, obj.to_local()))
+        elif hasattr(obj, "local_shards"):  # ShardedTensor
+            for i, sh in enumerate(obj.local_shards()):
+                out.append((f"{path}#{i}", sh.tensor))
+        else:
+            out.append((path, obj))
+        return obj
+    if isinstance(obj, dict):
+        new = {k: _local_tensors(v, f"{path}.{k}" if path else str(k), out) for k, v in obj.items()}
+        if type(obj) is not dict:
+            try:
+                return type(obj)(new)
+            except Exception:
+                return new
+        return new
+    if isinstance(obj, list):
+        return [_local_tensors(v, f"{path}.{i}" if path else str(i), out) for i, v in enumerate(obj)]
+    if type(obj) is tuple:
+        return tuple(_local_tensors(v, f"{path}.{i}" if path else str(i), out) for i, v in enumerate(obj))
+    return copy.deepcopy(obj)
+
+
+# save keywords that only the staging snapshot takes (ckptzip.asyncsave.snapshot), and those
+# that only the write of a snapshot takes
+_STAGE_ONLY = ("reuse_plan", "gpu_snapshot_bytes")
+_WRITE_ONLY = ("fsync", "progress")
+
+
+class _Staged:
+    """What :meth:`Writer.stage` took: the snapshot of this rank's tensors and the map from a
+    tensor's identity to its key in the snapshot."""
+
+    def __init__(self, snap: Any, keys: dict, sizes: dict) -> None:
+        self.snap, self.keys, self.sizes = snap, keys, sizes
+
+
 class Writer(StorageWriter):
     """DCP ``StorageWriter`` writing one ckptzip ``.ckz`` file per rank plus JSON metadata and a
-    commit marker. ``codec``, ``portable`` and ``save_kwargs`` go to :func:`ckptzip.save`."""
+    commit marker. ``codec``, ``portable`` and ``save_kwargs`` go to :func:`ckptzip.save`.
+
+    Also DCP's ``AsyncStager``: ``dcp.async_save(state, storage_writer=Writer(p))`` (no
+    ``async_stager``) calls :meth:`stage`, which compresses this rank's tensors now (on the GPU
+    where they live, into a pooled snapshot; on the CPU a copy into a pooled host arena), so the
+    training step waits for the compression, not for a copy of the state to host memory. The
+    save then writes the snapshot and never reads the caller's tensors. ``save_kwargs`` may also
+    hold ``gpu_snapshot_bytes`` and ``reuse_plan`` (see :func:`ckptzip.asyncsave.snapshot`)."""
+
+    # AsyncStager protocol: stage() is synchronous, nothing to synchronize after it.
+    _synchronize_after_execute: bool = False
 
     def __init__(self, path: str | os.PathLike, *, codec: str | dict = "auto", portable: bool = False,
                  **save_kwargs: Any) -> None:
@@ -446,10 +511,65 @@ class Writer(StorageWriter):
         self.path = os.fspath(path)
         self.codec = codec
         self.portable = portable
+        self.stage_kwargs = {k: save_kwargs.pop(k) for k in _STAGE_ONLY if k in save_kwargs}
         self.save_kwargs = save_kwargs
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
         self.rank = 0
+        self._staged: _Staged | None = None
+        self._arena = None          # pooled host arena of the snapshots, reused across saves
+        self._lock = threading.Lock()
+
+    # -- AsyncStager --------------------------------------------------------------------------
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return self._synchronize_after_execute
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Snapshot (compress, on the GPU where the tensors are) every tensor of this rank's
+        ``state_dict`` and return a copy of its containers (tensors kept, other leaves
+        deep-copied) for DCP to plan the save with. The following ``write_data`` of this writer
+        writes the snapshot. One ``dcp.async_save`` per writer in flight at a time: wait for the
+        previous save's future first (a snapshot not yet written raises ``RuntimeError`` here and
+        is dropped)."""
+        from ckptzip.asyncsave import Arena, snapshot
+        with self._lock:
+            stale, self._staged = self._staged, None
+        if stale is not None:
+            self._arena = None  # it may still be in use by a save that has not written it
+            raise RuntimeError("ckptzip.dcp.Writer.stage: the previous dcp.async_save with this writer has not "
+                               "written its data yet (still running, or it failed before writing): wait for its "
+                               "future before the next save; the stale snapshot was dropped")
+        found: list = []
+        staged_sd = _local_tensors(state_dict, "", found)
+        obj: dict[str, torch.Tensor] = {}
+        keys: dict[tuple, str] = {}
+        sizes: dict[str, int] = {}
+        for path, t in found:
+            tid = _tensor_id(t)
+            if tid in keys:
+                continue
+            name = f"{path}@s{len(obj)}"
+            keys[tid] = name
+            obj[name] = _own(t)
+            sizes[name] = t.numel() * t.element_size()
+        if self._arena is None:
+            self._arena = Arena()
+        kw = {k: v for k, v in self.save_kwargs.items() if k not in _WRITE_ONLY}
+        snap = snapshot(obj, codec=self.codec, portable=self.portable, arena=self._arena,
+                        metadata={"ckptzip.dcp": "rank file (staged)"}, **kw, **self.stage_kwargs)
+        with self._lock:
+            self._staged = _Staged(snap, keys, sizes)
+        return staged_sd
+
+    def synchronize_staging(self) -> None:
+        """Nothing to do: :meth:`stage` returns once the snapshot is taken."""
+
+    def close(self) -> None:
+        """Drop a snapshot not written and the pooled host arena."""
+        with self._lock:
+            self._staged = None
+            self._arena = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -483,10 +603,16 @@ class Writer(StorageWriter):
         # an interrupted overwrite can never look complete.
         _remove(_join(self.path, COMMIT_NAME))
         _remove(_join(self.path, METADATA_NAME))
-        return [replace(p, storage_data={"ckptzip_file": f"__{i}_0.ckz"}) for i, p in enumerate(plans)]
+        return [replace(p, storage_data={"ckptzip_file": f"__{i}_0.ckz", "ckptzip_file_1": f"__{i}_1.ckz"})
+                for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        with self._lock:
+            staged, self._staged = self._staged, None
         fut: Future = Future()
+        if staged is not None:
+            fut.set_result(self._write_staged(plan, planner, staged))
+            return fut
         if not plan.items:
             fut.set_result([])
             return fut
@@ -518,6 +644,52 @@ class Writer(StorageWriter):
                    for k in obj]
         fut.set_result(results)
         return fut
+
+    def _write_staged(self, plan: SavePlan, planner: SavePlanner, staged: _Staged) -> list[WriteResult]:
+        """write_data after :meth:`stage`: the snapshot goes to ``__{i}_0.ckz`` as it is (tensor
+        items map to its keys by tensor identity; the caller's tensors are never read); bytes
+        items (made now from the deep-copied leaves of the staged state dict) go to
+        ``__{i}_1.ckz``."""
+        name0 = plan.storage_data["ckptzip_file"]
+        name1 = plan.storage_data.get("ckptzip_file_1") or name0.replace("_0.ckz", "_1.ckz")
+        for n in (name0, name1):
+            if not _FILE_RE.match(n):
+                raise ValueError(f"bad rank file name {n!r}")
+        wkw = {k: v for k, v in self.save_kwargs.items() if k in _WRITE_ONLY}
+        tensor_items: list = []
+        extra: dict[str, torch.Tensor] = {}
+        extra_items: list = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if isinstance(data, io.BytesIO):
+                raw = data.getvalue()
+                key = item_key(item.index)
+                if key in extra:
+                    raise ValueError(f"ckptzip.dcp: two write items map to the key {key!r}")
+                extra[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
+                    torch.empty(0, dtype=torch.uint8)
+                extra_items.append((item.index, key, len(raw)))
+            elif isinstance(data, torch.Tensor):
+                key = staged.keys.get(_tensor_id(data))
+                if key is None:
+                    raise RuntimeError(f"ckptzip.dcp: {item.index.fqn!r} was not in the state dict given to "
+                                       "Writer.stage (a planner that makes new tensors cannot be used with "
+                                       "the writer's staging; pass another async_stager)")
+                tensor_items.append((item.index, key, data.numel() * data.element_size()))
+            else:
+                raise TypeError(f"ckptzip.dcp: resolve_data gave {type(data).__name__} for {item.index.fqn!r}")
+        results: list[WriteResult] = []
+        if tensor_items:
+            n0 = int(staged.snap.write(_join(self.path, name0), **wkw)["stored_bytes"])
+            results += [WriteResult(index=idx, size_in_bytes=n, storage_data=_Stored(name0, k, n0))
+                        for idx, k, n in tensor_items]
+        if extra:
+            n1 = int(ckptzip.save(extra, _join(self.path, name1), codec=self.codec, portable=self.portable,
+                                  metadata={"ckptzip.dcp": "rank file", "rank": str(self.rank)},
+                                  **self.save_kwargs)["stored_bytes"])
+            results += [WriteResult(index=idx, size_in_bytes=n, storage_data=_Stored(name1, k, n1))
+                        for idx, k, n in extra_items]
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         # Runs on the coordinator after DCP gathered every rank's write results: every rank file

@@ -7,6 +7,13 @@ zero-padded to at least 9 digits. A checkpoint without its marker is incomplete 
 rotation removes the marker first, then the file; ``latest()`` is the newest committed step, so
 after a crash a resumed run continues from the last complete checkpoint.
 
+Distributed mode (``distributed=True``): every rank calls ``save(step, state)``; checkpoint
+``step`` is the directory ``step-000001000/`` written through :class:`ckptzip.dcp.Writer` (one
+file per rank, JSON metadata, the DCP ``COMMIT`` marker written last by the coordinator), then
+the coordinator writes ``step-000001000.commit`` (``{"step", "dir", "metadata_sha256"}``, tying it
+to that directory's ``COMMIT``). Such a checkpoint is committed only when both markers agree and
+every rank file the metadata names is present with its size. Layout: docs/dcp.md.
+
 A damaged directory never breaks the manager: every marker is validated strictly (see
 :meth:`CheckpointManager.entries`) and one that fails is skipped by ``steps()``, ``latest()``,
 ``load()`` and rotation, and reported by ``entries()`` / ``problems()``. Several processes may
@@ -29,6 +36,7 @@ from .storage import atomic_write, is_url, local_path
 
 _MARKER = re.compile(r"step-([0-9]{9,})\.commit", re.ASCII)
 _CKZ = re.compile(r"step-([0-9]{9,})\.ckz", re.ASCII)
+_DIR = re.compile(r"step-([0-9]{9,})", re.ASCII)
 # atomic_write's temp files (tempfile.mkstemp: 8 of [a-z0-9_]) and its ".old" links
 _TEMP = re.compile(r"\.step-[0-9]{9,}\.(?:ckz|commit)\.[a-z0-9_]+\.tmp(?:\.old)?", re.ASCII)
 _MARKER_MAX = 64 * 1024  # bytes: a marker is ~70 bytes; a bigger one is damaged, not read whole
@@ -50,6 +58,18 @@ def _marker_name(step: int) -> str:
     return f"step-{step:09d}.commit"
 
 
+def _dir_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def _dist_rank(process_group=None) -> int | None:
+    """This process's rank in ``process_group`` (the default group) or None without one."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(process_group)
+    return None
+
+
 class CheckpointEntry(NamedTuple):
     """One checkpoint of a managed directory, as :meth:`CheckpointManager.entries` sees it.
 
@@ -58,13 +78,16 @@ class CheckpointEntry(NamedTuple):
     progress, or one that was interrupted) or ``"damaged"`` (the marker fails validation).
     ``reason``: why, for the last two (None when committed). ``name``: the file the entry is
     about (the marker's name, or the ``.ckz``'s when there is no marker). ``bytes``: the size of
-    the ``.ckz`` file in bytes (None when it does not exist).
+    the ``.ckz`` file in bytes (None when it does not exist; for a distributed checkpoint the
+    total of its rank files when committed, else None). ``kind``: ``"file"`` (a ``.ckz``) or
+    ``"dcp"`` (a distributed checkpoint directory ``step-<step:09d>/``).
     """
     step: int | None
     status: str
     reason: str | None
     name: str
     bytes: int | None
+    kind: str = "file"
 
 
 class CheckpointManager:
@@ -93,13 +116,25 @@ class CheckpointManager:
     paused for longer than this (e.g. a stopped process) could lose its temp file, and it then
     fails loudly at the rename instead of committing.
 
+    ``distributed`` (default False): distributed mode. Every rank of the process group
+    (``process_group``, default None: the default group) calls :meth:`save` with its own (e.g.
+    FSDP2 / DTensor) state; checkpoint ``step`` is the directory ``step-<step:09d>/`` written by
+    ``torch.distributed.checkpoint.save`` through :class:`ckptzip.dcp.Writer` (with
+    ``async_save=True``: ``dcp.async_save``, the writer's staging compressing each rank's shards
+    before the call returns); the coordinator (rank 0 of the group) then writes the manager's
+    marker ``step-<step:09d>.commit`` and alone rotates. Load with ``load(step, state=...)``.
+    Not automatic: a manager is in file mode unless ``distributed=True``, even under
+    torch.distributed (file mode in a multi-rank job is the usual "rank 0 saves" pattern).
+
     Other keyword arguments (``codec``, ``level``, ``chunk_size``, ...) go to every
-    :func:`ckptzip.save` / :func:`ckptzip.async_save`.
+    :func:`ckptzip.save` / :func:`ckptzip.async_save` (to :class:`ckptzip.dcp.Writer` in
+    distributed mode).
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int | None = 3,
                  keep_every: int | None = None, async_save: bool = False, create: bool = True,
-                 stale_temp_s: float | None = STALE_TEMP_S, **save_kwargs: Any) -> None:
+                 stale_temp_s: float | None = STALE_TEMP_S, distributed: bool = False,
+                 process_group: Any = None, **save_kwargs: Any) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                       or keep_last < 0):
             raise ValueError("keep_last must be None or an int >= 0")
@@ -115,6 +150,9 @@ class CheckpointManager:
         if create:
             self.fs.makedirs(self.root, exist_ok=True)
         self._pending: SaveHandle | None = None
+        self.distributed = bool(distributed)
+        self.process_group = process_group
+        self._writer = None  # distributed async mode: one Writer (its staging arena is pooled)
 
     # -- names ------------------------------------------------------------------------------
     def _join(self, name: str) -> str:
@@ -128,6 +166,15 @@ class CheckpointManager:
 
     def _marker(self, step: int) -> str:
         return self._join(_marker_name(step))
+
+    def dir_path(self, step: int) -> str:
+        """Where the distributed checkpoint of ``step`` lives: ``<directory>/step-<step:09d>``."""
+        name = _dir_name(step)
+        return f"{self.directory.rstrip('/')}/{name}" if is_url(self.directory) else self._join(name)
+
+    def _is_coordinator(self) -> bool:
+        r = _dist_rank(self.process_group)
+        return r is None or r == 0
 
     # -- save -------------------------------------------------------------------------------
     def save(self, step: int, state: Any, **kwargs: Any):
@@ -146,6 +193,8 @@ class CheckpointManager:
         self.wait()
         self.clean_stale_temp()
         opts = {**self.save_kwargs, **kwargs}
+        if self.distributed:
+            return self._save_dcp(step, state, opts, bool(kwargs))
         path = self.path(step)
         if self.use_async:
             inner = async_save(state, path, **opts)
@@ -162,6 +211,61 @@ class CheckpointManager:
         res = save(state, path, **opts)
         self._commit(step, res)
         return res
+
+    def _save_dcp(self, step: int, state: Any, opts: dict, overridden: bool):
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from .dcp import COMMIT_NAME, Writer
+        path = self.dir_path(step)
+        coord = self._is_coordinator()
+        if coord:  # saving a step again: un-commit it first
+            try:
+                self.fs.rm(self._marker(step))
+            except FileNotFoundError:
+                pass
+
+        def commit() -> dict:
+            if coord:
+                with self.fs.open(f"{self._join(_dir_name(step))}/{COMMIT_NAME}", "rb") as f:
+                    dcp_marker = json.loads(f.read(_MARKER_MAX).decode("utf-8"))
+                self._write_marker(step, {"step": step, "dir": _dir_name(step),
+                                          "metadata_sha256": dcp_marker["metadata_sha256"]})
+                self._rotate()
+            return {"path": path}
+
+        if self.use_async:
+            if overridden:
+                writer = Writer(path, **opts)
+            else:  # one writer for every save: its staging arena is reused
+                if self._writer is None:
+                    self._writer = Writer(path, **opts)
+                writer = self._writer
+            t0 = time.perf_counter()
+            fut = dcp.async_save(state, checkpoint_id=path, storage_writer=writer, process_group=self.process_group)
+            fut = getattr(fut, "upload_completion", fut)
+            handle = SaveHandle()
+            handle.path, handle.stall_s = path, time.perf_counter() - t0
+
+            def finish():
+                fut.result()
+                return commit()
+            handle._start(finish, "ckptzip-commit")
+            self._pending = handle
+            return handle
+        dcp.save(state, checkpoint_id=path, storage_writer=Writer(path, **opts), process_group=self.process_group)
+        res = commit()
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier(self.process_group)  # every rank sees the step committed when save returns
+        return res
+
+    def _write_marker(self, step: int, doc: dict) -> None:
+        marker = json.dumps(doc).encode()
+        if is_url(self.directory):  # an object store PUT is atomic: the marker appears whole
+            with self.fs.open(self._marker(step), "wb") as f:
+                f.write(marker)
+        else:
+            with atomic_write(self._marker(step)) as f:
+                f.write(marker)
 
     def _commit(self, step: int, res: dict) -> None:
         marker = json.dumps({"step": step, "file": os.path.basename(res["path"]),
@@ -213,6 +317,8 @@ class CheckpointManager:
         s, name, size = info.get("step"), info.get("file"), info.get("bytes")
         if isinstance(s, bool) or not isinstance(s, int) or s != step:
             return f"marker's step {s!r} does not match its name (step {step})"
+        if "dir" in info:
+            return self._check_dcp(step, info, listing)
         if name != _ckz_name(step):
             return f"marker's file {name!r} is not {_ckz_name(step)!r}"
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
@@ -225,6 +331,45 @@ class CheckpointManager:
         if ckz.get("size") != size:
             return f"{_ckz_name(step)} is {ckz.get('size')} bytes, the marker says {size}"
         return None
+
+    def _check_dcp(self, step: int, info: dict, listing: dict) -> str | None:
+        """Why the distributed checkpoint ``step`` (its manager marker ``info``) is not
+        committed, or None."""
+        from .dcp import COMMIT_NAME, DCPMetadataError, read_metadata
+        if info["dir"] != _dir_name(step):
+            return f"marker's dir {info['dir']!r} is not {_dir_name(step)!r}"
+        if set(info) != {"step", "dir", "metadata_sha256"} or type(info["metadata_sha256"]) is not str:
+            return "marker of a distributed checkpoint must hold exactly step, dir and metadata_sha256 (str)"
+        d = listing.get(_dir_name(step))
+        if d is None:
+            return f"checkpoint directory {_dir_name(step)}/ is missing"
+        if d.get("type") != "directory":
+            return f"{_dir_name(step)} is not a directory ({d.get('type')})"
+        try:
+            with self.fs.open(f"{self._join(_dir_name(step))}/{COMMIT_NAME}", "rb") as f:
+                raw = f.read(_MARKER_MAX + 1)
+            sha = json.loads(raw.decode("utf-8")).get("metadata_sha256")
+        except FileNotFoundError:
+            return f"{_dir_name(step)}/{COMMIT_NAME} is missing (the save did not complete)"
+        except (OSError, ValueError, AttributeError, RecursionError) as e:
+            return f"{_dir_name(step)}/{COMMIT_NAME} unreadable: {e}"
+        if sha != info["metadata_sha256"]:
+            return f"{_dir_name(step)}/{COMMIT_NAME} belongs to another save than the marker"
+        try:
+            read_metadata(self.dir_path(step), check_files=True)
+        except DCPMetadataError as e:
+            return str(e)
+        except OSError as e:
+            return f"unreadable: {e}"
+        return None
+
+    def _dcp_bytes(self, step: int) -> int | None:
+        from .dcp import read_metadata
+        try:
+            md = read_metadata(self.dir_path(step), check_files=False)
+        except Exception:
+            return None
+        return sum({s.file: s.file_bytes for s in md.storage_data.values()}.values())
 
     def entries(self) -> list[CheckpointEntry]:
         """Every checkpoint-like entry of the directory, ordered by step (unparsable names
@@ -254,6 +399,10 @@ class CheckpointManager:
                     continue
                 marked.add(step)
                 why = self._check_marker(step, e, listing)
+                if _dir_name(step) in listing and _ckz_name(step) not in listing:
+                    size = None if why else self._dcp_bytes(step)
+                    out.append(CheckpointEntry(step, "damaged" if why else "committed", why, name, size, "dcp"))
+                    continue
                 out.append(CheckpointEntry(step, "damaged" if why else "committed", why, name, size))
             elif name.startswith("step-") and name.endswith((".commit", ".ckz")) and not _CKZ.fullmatch(name):
                 out.append(CheckpointEntry(None, "damaged", "name is not step-<ASCII digits>"
@@ -266,6 +415,12 @@ class CheckpointManager:
             elif m and name != _ckz_name(int(m.group(1))):
                 out.append(CheckpointEntry(int(m.group(1)), "damaged", "non-canonical checkpoint "
                                            f"name (expected {_ckz_name(int(m.group(1)))})", name, None))
+            m = _DIR.fullmatch(name)
+            if m and e.get("type") == "directory" and name == _dir_name(int(m.group(1))) and \
+                    int(m.group(1)) not in marked:
+                out.append(CheckpointEntry(int(m.group(1)), "uncommitted", "distributed checkpoint without the "
+                                           "manager's commit marker (a save in progress, or one that was "
+                                           "interrupted)", name, None, "dcp"))
         out.sort(key=lambda x: (x.step is None, x.step or 0, x.name))
         return out
 
@@ -283,17 +438,47 @@ class CheckpointManager:
         s = self.steps()
         return s[-1] if s else None
 
-    def load(self, step: int | None = None, **kwargs: Any) -> Any:
-        """Load checkpoint ``step`` (default None: the latest committed); keyword arguments go
-        to :func:`ckptzip.load` (``map_location``, ``allow_pickle``, ...). Raises
-        ``FileNotFoundError`` when there is no committed checkpoint (for that step)."""
+    def load(self, step: int | None = None, *, state: Any = None, **kwargs: Any) -> Any:
+        """Load checkpoint ``step`` (default None: the latest committed). Raises
+        ``FileNotFoundError`` when there is no committed checkpoint (for that step).
+
+        A file checkpoint: keyword arguments go to :func:`ckptzip.load` (``map_location``,
+        ``allow_pickle``, ...); returns the object (``state`` must be None).
+
+        A distributed checkpoint (directory): with ``state`` (a state dict, e.g. from
+        ``get_state_dict``, possibly sharded differently than at save time), every rank calls
+        ``load(step, state=state)``: ``torch.distributed.checkpoint.load`` fills ``state`` in
+        place through :class:`ckptzip.dcp.Reader` and ``state`` is returned. Keyword arguments:
+        ``planner`` (a DCP ``LoadPlanner``), ``allow_pickle`` and ``cache_bytes`` (to the
+        Reader). Without ``state``: the whole unsharded state is read in this process (no process
+        group needed, as :func:`ckptzip.dcp.consolidate`) and returned as a nested dict."""
+        entries = {e.step: e for e in self.entries() if e.status == "committed"}
         if step is None:
-            step = self.latest()
-            if step is None:
+            if not entries:
                 raise FileNotFoundError(f"no committed checkpoint in {self.directory}")
-        elif step not in self.steps():
+            step = max(entries)
+        elif step not in entries:
             raise FileNotFoundError(f"no committed checkpoint for step {step} in {self.directory}")
+        if entries[step].kind == "dcp":
+            return self._load_dcp(step, state, **kwargs)
+        if state is not None:
+            raise TypeError(f"step {step} is a single-file checkpoint: load it without state=")
         return load(self.path(step), **kwargs)
+
+    def _load_dcp(self, step: int, state: Any, planner: Any = None, **reader_kwargs: Any) -> Any:
+        from .dcp import Reader
+        path = self.dir_path(step)
+        reader = Reader(path, **reader_kwargs)
+        if state is None:
+            from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+            from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+            sd: dict = {}
+            _load_state_dict(sd, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+            return sd
+        import torch.distributed.checkpoint as dcp
+        dcp.load(state, checkpoint_id=path, storage_reader=reader, planner=planner,
+                 process_group=self.process_group)
+        return state
 
     # -- cleanup and rotation ---------------------------------------------------------------
     def clean_stale_temp(self, max_age_s: float | None = None) -> list[str]:
@@ -324,6 +509,8 @@ class CheckpointManager:
         return removed
 
     def _rotate(self) -> None:
+        if self.distributed and not self._is_coordinator():
+            return
         steps = self.steps()
         keep = set(steps if self.keep_last is None else steps[-self.keep_last:] if self.keep_last else [])
         if self.keep_every:
@@ -332,8 +519,16 @@ class CheckpointManager:
             if s not in keep:
                 # uncommit first: a half-deleted checkpoint is never listed. Another process
                 # rotating the same directory may have removed either file already.
+                d = self._join(_dir_name(s))
                 for p in (self._marker(s), self._join(_ckz_name(s))):
                     try:
                         self.fs.rm(p)
                     except FileNotFoundError:
                         pass
+                if self.fs.isdir(d):  # distributed: its DCP marker next, then the rest
+                    from .dcp import COMMIT_NAME
+                    for p in (f"{d}/{COMMIT_NAME}", d):
+                        try:
+                            self.fs.rm(p, recursive=p == d)
+                        except FileNotFoundError:
+                            pass
