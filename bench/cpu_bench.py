@@ -1,11 +1,24 @@
-"""CPU benchmark (issue: core): a small model trained for real (model + AdamW state), saved with
-torch.save and ckptzip on this machine's CPU; bytes and compress/decompress MB/s.
+"""CPU benchmark (issue 14 item 5): a small model trained for real on this machine's CPU (model +
+AdamW state, fp32, and a bf16 copy of the same state), then, side by side in one run and on the
+same state and cores:
 
-    PYTHONPATH=src python bench/cpu_bench.py --steps 300
+* ckptzip.save to a file on disk (fsync'd) and ckptzip.load, MB/s of raw tensor bytes;
+* ckptzip in memory (save to / load from a BytesIO): compress / decompress MB/s and ratio;
+* ZipNN (if installed: ``pip install zipnn==0.5.4``) on the same bytes (every tensor's bytes
+  concatenated, ``ZipNN(bytearray_dtype=..., threads=<cores>)``): compress / decompress MB/s
+  and ratio;
+* torch.save + fsync and torch.load of the same state.
+
+Every figure is the best of ``--reps`` rounds; the rounds interleave all contenders so that
+background load hits them alike. Prints a markdown table and writes JSON.
+
+    PYTHONPATH=src python bench/cpu_bench.py --steps 300 --json docs/data/cpu_bench_2core.json
 """
 import argparse
+import io
 import json
 import os
+import platform
 import tempfile
 import time
 
@@ -16,51 +29,160 @@ import ckptzip
 from ckptzip.demo import TinyLM, _text
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--reps", type=int, default=3)
-    a = ap.parse_args()
+def train(steps: int):
     torch.manual_seed(0)
     text = _text()
     model = TinyLM(d=256, layers=4, ctx=64)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    t0 = time.time()
-    for step in range(a.steps):
+    loss = torch.zeros(())
+    for _ in range(steps):
         ix = torch.randint(0, text.numel() - 65, (16,))
         seq = torch.stack([text[i:i + 65] for i in ix.tolist()]).long()
         loss = F.cross_entropy(model(seq[:, :-1]).reshape(-1, 256), seq[:, 1:].reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()
+    return model, opt, loss.item()
+
+
+def tensors_of(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_of(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_of(v)
+
+
+def to_bf16(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(torch.bfloat16) if obj.is_floating_point() else obj
+    if isinstance(obj, dict):
+        return {k: to_bf16(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_bf16(v) for v in obj)
+    return obj
+
+
+def fsync_save(state, path):
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def same(a, b) -> bool:
+    ta, tb = list(tensors_of(a)), list(tensors_of(b))
+    return len(ta) == len(tb) and all(
+        x.dtype == y.dtype and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+        for x, y in zip(ta, tb))
+
+
+def bench_state(name, state, dtype, reps, workdir, threads):
+    ts = list(tensors_of(state))
+    raw = sum(t.numel() * t.element_size() for t in ts)
+    blob = b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in ts)
+    pt, ckz = os.path.join(workdir, f"{name}.pt"), os.path.join(workdir, f"{name}.ckz")
+    zn = None
+    try:
+        import zipnn
+        zn = zipnn.ZipNN(bytearray_dtype=dtype, threads=threads)
+    except ImportError:
+        pass
+    mem = {}
+    runs = {
+        "torch.save+fsync": lambda: fsync_save(state, pt),
+        "torch.load": lambda: torch.load(pt, weights_only=True),
+        "ckptzip.save (fsync)": lambda: ckptzip.save(state, ckz, fsync=True),
+        "ckptzip.load": lambda: ckptzip.load(ckz),
+        "ckptzip compress (memory)": lambda: mem.__setitem__("ckz", _save_mem(state)),
+        "ckptzip decompress (memory)": lambda: ckptzip.load(io.BytesIO(mem["ckz"])),
+    }
+    if zn is not None:
+        # ZipNN 0.5.4's compress rewrites its input buffer in place (even a bytes object): it
+        # gets a fresh copy every round, made outside the timed region
+        runs["zipnn compress"] = lambda: mem.__setitem__("zn", zn.compress(mem.pop("zn_in")))
+        runs["zipnn decompress"] = lambda: zn.decompress(mem["zn"])
+    best = {}
+    for _ in range(reps):
+        for k, fn in runs.items():
+            if k == "zipnn compress":
+                mem["zn_in"] = bytearray(blob)
+            t = time.perf_counter()
+            fn()
+            best[k] = min(best.get(k, 1e9), time.perf_counter() - t)
+    assert same(ckptzip.load(ckz), state) and same(ckptzip.load(io.BytesIO(mem["ckz"])), state)
+    res = {"raw_bytes": raw, "seconds": best,
+           "MBps": {k: raw / v / 1e6 for k, v in best.items()},
+           "bytes": {"torch.save": os.path.getsize(pt), "ckptzip": os.path.getsize(ckz),
+                     "ckptzip (memory)": len(mem["ckz"])}}
+    res["ratio"] = {"ckptzip": os.path.getsize(ckz) / raw, "torch.save": os.path.getsize(pt) / raw}
+    if zn is not None:
+        assert bytes(zn.decompress(mem["zn"])) == blob
+        res["bytes"]["zipnn"] = len(mem["zn"])
+        res["ratio"]["zipnn"] = len(mem["zn"]) / raw
+    return res
+
+
+def _save_mem(state) -> bytes:
+    b = io.BytesIO()
+    ckptzip.save(state, b)
+    return b.getvalue()
+
+
+def table(results) -> str:
+    rows = ["| state | tool | ratio (stored / raw) | compress / save MB/s | decompress / load MB/s |",
+            "|---|---|---|---|---|"]
+    for name, r in results.items():
+        m, q = r["MBps"], r["ratio"]
+        rows.append(f"| {name} | ckptzip in memory | {r['bytes']['ckptzip (memory)'] / r['raw_bytes']:.4f} | "
+                    f"{m['ckptzip compress (memory)']:,.0f} | {m['ckptzip decompress (memory)']:,.0f} |")
+        if "zipnn" in q:
+            rows.append(f"| {name} | ZipNN in memory | {q['zipnn']:.4f} | {m['zipnn compress']:,.0f} | "
+                        f"{m['zipnn decompress']:,.0f} |")
+        rows.append(f"| {name} | ckptzip.save (fsync) / load, file | {q['ckptzip']:.4f} | "
+                    f"{m['ckptzip.save (fsync)']:,.0f} | {m['ckptzip.load']:,.0f} |")
+        rows.append(f"| {name} | torch.save + fsync / torch.load, file | {q['torch.save']:.4f} | "
+                    f"{m['torch.save+fsync']:,.0f} | {m['torch.load']:,.0f} |")
+    return "\n".join(rows)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--dir", default=None, help="where the files go (default: a temp dir on the cwd's disk)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    a = ap.parse_args()
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    t0 = time.time()
+    model, opt, loss = train(a.steps)
     train_s = time.time() - t0
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": a.steps}
-    raw = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
-        t.numel() * t.element_size() for s in opt.state_dict()["state"].values() for t in s.values()
-        if isinstance(t, torch.Tensor))
-    res = {"params": sum(p.numel() for p in model.parameters()), "steps": a.steps, "final_loss": loss.item(),
-           "train_s": train_s, "tensor_bytes": raw, "cpu_cores": os.cpu_count(), "torch": torch.__version__}
-    with tempfile.TemporaryDirectory() as d:
-        pt, ckz = os.path.join(d, "s.pt"), os.path.join(d, "s.ckz")
-        best = {}
-        for _ in range(a.reps):
-            for name, fn in (("torch.save", lambda: torch.save(state, pt)),
-                             ("ckptzip.save", lambda: ckptzip.save(state, ckz, fsync=False)),
-                             ("torch.load", lambda: torch.load(pt, weights_only=True)),
-                             ("ckptzip.load", lambda: ckptzip.load(ckz))):
-                t = time.perf_counter()
-                fn()
-                best[name] = min(best.get(name, 1e9), time.perf_counter() - t)
-        res["torch.save_bytes"] = os.path.getsize(pt)
-        res["ckptzip_bytes"] = os.path.getsize(ckz)
-        res["ratio_vs_torch_save"] = res["ckptzip_bytes"] / res["torch.save_bytes"]
-        res["seconds"] = best
-        res["ckptzip_compress_MBps"] = raw / best["ckptzip.save"] / 1e6
-        res["ckptzip_decompress_MBps"] = raw / best["ckptzip.load"] / 1e6
-        back = ckptzip.load(ckz)
-        assert all(torch.equal(back["model"][k].view(torch.uint8), v.view(torch.uint8))
-                   for k, v in state["model"].items())
-    print(json.dumps(res, indent=1))
+    try:
+        import zipnn
+        zver = getattr(zipnn, "__version__", "installed")
+    except ImportError:
+        zver = None
+    res = {"params": sum(p.numel() for p in model.parameters()), "steps": a.steps, "final_loss": loss,
+           "train_s": train_s, "cpu_cores": threads, "cpu": platform.processor() or platform.machine(),
+           "torch": torch.__version__, "ckptzip": ckptzip.__version__, "zipnn": zver,
+           "command": "PYTHONPATH=src python bench/cpu_bench.py " + " ".join(
+               f"--{k} {v}" for k, v in vars(a).items() if v is not None),
+           "states": {}}
+    with tempfile.TemporaryDirectory(dir=a.dir or os.getcwd(), prefix=".cpu_bench.") as d:
+        res["states"]["fp32 model + AdamW"] = bench_state("fp32", state, "float32", a.reps, d, threads)
+        res["states"]["bf16 model + AdamW"] = bench_state("bf16", to_bf16(state), "bfloat16", a.reps, d, threads)
+    md = table(res["states"])
+    res["table"] = md
+    print(md)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    else:
+        print(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -117,3 +117,37 @@ def test_transform_inverts_and_keeps_input(wire, device, n, k):
     out = torch.empty_like(enc)
     t.decode(enc, out)
     assert torch.equal(out.cpu(), raw)
+
+
+@pytest.mark.parametrize("planes", [0, 1])
+@pytest.mark.parametrize("multi", [True, False])
+def test_zstd_cpu_paths_bounded_and_standard(planes, multi, monkeypatch):
+    """The CPU zstd codec's two paths (multi-buffer C threads, per-chunk Python) and both
+    parameter sets write standard frames with a content size that any zstd decoder reads, and
+    refuse frames whose declared or decoded size differs from the chunk table's."""
+    import zstandard
+    from ckptzip.codecs import cpu
+    if not multi:
+        monkeypatch.setattr(cpu.ZstdCPU, "_multi", staticmethod(lambda sizes: 0))
+    c = get_codec("zstd", "cpu", planes=planes)
+    data = sample_data()
+    offs, sizes = chunks_of(data, 8192)
+    dst, doffs, dsizes = c.encode(data, offs, sizes)
+    raw = dst.numpy().tobytes()
+    for o, n, so, sn in zip(doffs, dsizes, offs, sizes):
+        frame = raw[o:o + n]
+        assert zstandard.frame_content_size(frame) == sn
+        assert zstandard.ZstdDecompressor().decompress(frame) == data[so:so + sn].numpy().tobytes()
+    out = torch.zeros_like(data)
+    c.decode(dst, doffs, dsizes, out, offs, sizes)
+    assert torch.equal(out, data)
+    # a frame declaring another size than its row, and frames without a content size that
+    # decode to more or fewer bytes than their row, are refused
+    chunk = data[:sizes[0]].numpy().tobytes()
+    cases = [(zstandard.ZstdCompressor().compress(chunk), sizes[0] - 1),
+             (zstandard.ZstdCompressor(write_content_size=False).compress(chunk), sizes[0] - 1),
+             (zstandard.ZstdCompressor(write_content_size=False).compress(chunk), sizes[0] + 1)]
+    for frame, n in cases:
+        src = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+        with pytest.raises(ckptzip.CodecError):
+            c.decode(src, [0], [len(frame)], torch.zeros(n, dtype=torch.uint8), [0], [n])

@@ -25,7 +25,7 @@ def _pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1),
+            _POOL = ThreadPoolExecutor(max_workers=cpu_threads(),
                                        thread_name_prefix="ckptzip")
         return _POOL
 
@@ -37,8 +37,17 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def cpu_threads() -> int:
+    """Threads for CPU work: the cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def _pmap(fn: Callable[[int], Any], n: int) -> list[Any]:
-    if n <= 1:
+    # inline when there is one item, or when called from a pool thread (no nested waits)
+    if n <= 1 or threading.current_thread().name.startswith("ckptzip_"):
         return [fn(i) for i in range(n)]
     return list(_pool().map(fn, range(n)))
 
@@ -95,24 +104,48 @@ class RawCPU(_ByteCodec):
         return bytes(data)
 
 
+#: zstd parameters for byte planes (local option ``planes=1``): fast strategy, matches of 7+ bytes only
+#: and a tiny hash table. Exponent planes are near-random runs of a few values: matches barely
+#: pay, the Huffman-coded literals do the work. On trained fp32 exponent planes this is smaller
+#: than level 1 or 3 (0.315 vs 0.345 / 0.365 of the raw bytes) and 2x faster than level 1.
+PLANE_PARAMS = dict(strategy=zstandard.STRATEGY_FAST, window_log=17, hash_log=6, chain_log=6,
+                    search_log=1, min_match=7, target_length=0, write_content_size=1)
+#: below this many bytes per call, chunks are (de)compressed on the calling thread
+_MULTI_MIN = 1 << 20
+
+
+def _segments(offsets, sizes) -> bytes:
+    seg = np.empty((len(sizes), 2), dtype="<u8")
+    seg[:, 0], seg[:, 1] = offsets, sizes
+    return seg.tobytes()
+
+
 @register
 class ZstdCPU(_ByteCodec):
-    """Standard zstd frames (RFC 8878) through the ``zstandard`` library."""
+    """Standard zstd frames (RFC 8878) through the ``zstandard`` library. With its C backend,
+    all chunks of a call are (de)compressed by ``multi_*_to_buffer`` in C threads, without
+    the GIL and without Python per chunk."""
     wire_id: ClassVar[str] = "zstd"
 
     @classmethod
     def local_keys(cls):
-        return ("level",)
+        return ("level", "planes")
 
     def __init__(self, **config):
         super().__init__(**config)
         self.level = int(config.get("level", 3))
+        self.planes = bool(config.get("planes", False))
         self._tls = threading.local()
 
     def _cctx(self) -> zstandard.ZstdCompressor:
         c = getattr(self._tls, "c", None)
         if c is None:
-            c = self._tls.c = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
+            if self.planes:
+                c = zstandard.ZstdCompressor(
+                    compression_params=zstandard.ZstdCompressionParameters(**PLANE_PARAMS))
+            else:
+                c = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
+            self._tls.c = c
         return c
 
     def _dctx(self) -> zstandard.ZstdDecompressor:
@@ -120,6 +153,61 @@ class ZstdCPU(_ByteCodec):
         if d is None:
             d = self._tls.d = zstandard.ZstdDecompressor()
         return d
+
+    @staticmethod
+    def _multi(sizes) -> int:
+        """Threads for one multi-buffer call, or 0 to use the per-chunk path (the CFFI backend
+        has no multi-buffer calls; empty chunks are not accepted by them)."""
+        if zstandard.backend != "cext" or not sizes or min(sizes) == 0:
+            return 0
+        total = sum(sizes)
+        return max(1, min(cpu_threads(), len(sizes), total // _MULTI_MIN or 1))
+
+    def encode(self, src, offsets, sizes):
+        threads = self._multi(sizes)
+        if not threads:
+            return super().encode(src, offsets, sizes)
+        a = as_numpy(src)
+        res = self._cctx().multi_compress_to_buffer(
+            zstandard.BufferWithSegments(memoryview(a), _segments(offsets, sizes)), threads=threads)
+        outs = [res[i] for i in range(len(res))]
+        out_sizes = [len(o) for o in outs]
+        out_offsets = np.concatenate([[0], np.cumsum(out_sizes[:-1], dtype=np.int64)]).tolist()
+        dst = torch.empty(sum(out_sizes), dtype=torch.uint8)
+        d = dst.numpy()
+        for o, off, n in zip(outs, out_offsets, out_sizes):
+            d[off:off + n] = np.frombuffer(o, dtype=np.uint8)
+        return dst, out_offsets, out_sizes
+
+    def decode(self, src, src_offsets, src_sizes, dst, dst_offsets, dst_sizes):
+        threads = self._multi(dst_sizes)
+        if not threads:
+            return super().decode(src, src_offsets, src_sizes, dst, dst_offsets, dst_sizes)
+        a, d = as_numpy(src), as_numpy(dst)
+        # the same refusal as the per-chunk path, for every frame, before anything is allocated
+        for i, (so, ss, n) in enumerate(zip(src_offsets, src_sizes, dst_sizes)):
+            try:
+                declared = zstandard.frame_content_size(memoryview(a[so:so + ss]))
+            except Exception as e:
+                raise CodecError(f"zstd: chunk {i} does not decode: {e}") from None
+            if declared >= 0 and declared != n:
+                raise CodecError(f"zstd: frame declares {declared} bytes, the chunk table {n}")
+        # decompressed_sizes (the chunk table's raw sizes) bound every output: a frame that
+        # decodes to more or fewer bytes than its row declares is refused, and the one output
+        # buffer is exactly the sum of the declared raw sizes
+        try:
+            res = self._dctx().multi_decompress_to_buffer(
+                zstandard.BufferWithSegments(memoryview(a), _segments(src_offsets, src_sizes)),
+                decompressed_sizes=np.asarray(dst_sizes, dtype="<u8").tobytes(), threads=threads)
+        except zstandard.ZstdError as e:
+            raise CodecError(f"zstd: chunk does not decode: {e}") from None
+        if len(res) != len(dst_sizes):
+            raise CodecError(f"zstd: {len(res)} chunks decoded, expected {len(dst_sizes)}")
+        for i, (off, n) in enumerate(zip(dst_offsets, dst_sizes)):
+            seg = np.frombuffer(res[i], dtype=np.uint8)
+            if len(seg) != n:
+                raise CodecError(f"zstd: chunk {i} decoded to {len(seg)} bytes, expected {n}")
+            d[off:off + n] = seg
 
     def _compress(self, data):
         return self._cctx().compress(data)

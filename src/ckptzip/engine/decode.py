@@ -13,12 +13,18 @@ import torch
 
 from ..codecs import _capi
 from ..codecs.base import Codec, get_codec
+from ..codecs.cpu import _pmap
 from ..errors import CorruptFileError
 from ..format import FLAG_STORED_RAW
 from ..io.reader import read_stored
 from ..transforms import Transform, get_transform
 from .memory import PINNED, copy_segments
 from .plan import DEFAULT_WINDOW, codec_key
+
+#: decoded bytes per group on the CPU: small enough that reading and checksumming the next
+#: group overlaps decoding this one, large enough for few codec calls
+CPU_GROUP = 16 << 20
+
 
 def storage_plan_from_manifest(s: dict[str, Any], device: str) -> tuple[Transform | None, Codec]:
     tfs = s.get("transforms", [])
@@ -64,6 +70,8 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     """Decode storages. Batches of whole blocks are grouped up to ``window`` bytes (many small
     storages per read and per codec call); a reader thread reads and checksums the next group
     into one of three pooled buffers while the current one is decoded."""
+    if not any(job.codec.device == "cuda" for job in jobs):
+        window = min(window, CPU_GROUP)  # the reader's next group overlaps this one's decoding
     items = [(job, i, j, a, b) for job in jobs for i, j, a, b in batches(job.rows, job.out.numel(), job.tf, window)]
     grouped: list[list] = []
     size = 0
@@ -141,7 +149,10 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     roffs = np.zeros(len(raws), dtype=np.int64)
     np.cumsum(raws[:-1], out=roffs[1:])
     is_raw = rows["flags"] == FLAG_STORED_RAW
-    copy_segments(src, soffs[is_raw], stream, roffs[is_raw], raws[is_raw])
+    if work == "cpu":  # numpy: torch's intra-op threads stall on oversubscribed cores
+        _np_copy_segments(src.numpy(), soffs[is_raw], stream.numpy(), roffs[is_raw], raws[is_raw])
+    else:
+        copy_segments(src, soffs[is_raw], stream, roffs[is_raw], raws[is_raw])
     keys: dict[tuple, tuple[int, Codec]] = {}
     job_key = [keys.setdefault(codec_key(job.codec), (len(keys), job.codec))[0] for job, *_ in grp]
     if len(keys) > 1:
@@ -154,6 +165,9 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
                 cols = tuple(c.tolist() for c in cols)
             codec.decode(src, cols[0], cols[1], stream, cols[2], cols[3])
     if direct:
+        return
+    if work == "cpu" and all(job.out.device.type == "cpu" for job, *_ in grp):
+        _cpu_untransform(stream, grp)
         return
     pos = 0
     for job, i, j, a, b in grp:
@@ -169,3 +183,33 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
         else:
             dst.copy_(part)
         pos += b - a
+
+
+def _np_copy_segments(src: np.ndarray, soffs: np.ndarray, dst: np.ndarray, doffs: np.ndarray,
+                      lens: np.ndarray) -> None:
+    """dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]], runs of adjacent segments in one copy."""
+    if not len(lens):
+        return
+    brk = np.ones(len(lens), dtype=bool)
+    brk[1:] = (soffs[1:] != soffs[:-1] + lens[:-1]) | (doffs[1:] != doffs[:-1] + lens[:-1])
+    starts = np.nonzero(brk)[0]
+    lens = np.add.reduceat(lens, starts)
+    for s, d, n in zip(soffs[starts].tolist(), doffs[starts].tolist(), lens.tolist()):
+        dst[d:d + n] = src[s:s + n]
+
+
+def _cpu_untransform(stream: torch.Tensor, grp: list) -> None:
+    """Undo the transforms of a CPU group into the CPU destinations, storages spread over the
+    CPU pool's threads (numpy releases the GIL)."""
+    tasks, pos = [], 0
+    for job, _i, _j, a, b in grp:
+        tasks.append((job.tf, stream[pos:pos + (b - a)], job.out[a:b]))
+        pos += b - a
+
+    def one(k: int) -> None:
+        tf, part, dst = tasks[k]
+        if tf is not None:
+            tf.decode(part, dst)
+        else:
+            np.copyto(dst.numpy(), part.numpy())
+    _pmap(one, len(tasks))

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..codecs.base import Codec
+from ..codecs.cpu import _pmap
 from ..format import FLAG_STORED_RAW, ROW
 from ..kernels import triton_kernels
 from ..transforms import Transform
@@ -60,6 +61,7 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
     staged = None
     pos = 0
     copies: tuple[list, list] = ([], [])  # plain same-device copies, done in one batched call
+    cpu_tf: list = []  # CPU transforms, run by the CPU pool's threads after the loop
     for u in units:
         n = u.data.numel()
         u.base = pos
@@ -71,14 +73,22 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
                 _upload(staged[pos:pos + n], stream[pos:pos + n], u.plan.transform)
             else:
                 src = u.data if u.data.device.type == dev else u.data.to(dev)
-                if u.plan.transform is not None:
+                if u.plan.transform is not None and dev == "cpu":
+                    cpu_tf.append((u.plan.transform, src, stream[pos:pos + n]))
+                elif u.plan.transform is not None:
                     u.plan.transform.encode(src, out=stream[pos:pos + n])
                 else:
                     copies[0].append(stream[pos:pos + n])
                     copies[1].append(src)
         pos += ceil_align(n)
     if copies[0]:
-        torch._foreach_copy_(*copies)
+        if dev == "cpu":  # numpy: torch's intra-op threads stall on oversubscribed cores
+            for d, s in zip(*copies):
+                np.copyto(d.numpy(), s.numpy())
+        else:
+            torch._foreach_copy_(*copies)
+    if cpu_tf:
+        _pmap(lambda i: cpu_tf[i][0].encode(cpu_tf[i][1], out=cpu_tf[i][2]), len(cpu_tf))
     counts = [len(u.sizes) for u in units]
     soff = np.concatenate([u.offs + u.base for u in units])
     raw = np.concatenate([u.sizes for u in units])

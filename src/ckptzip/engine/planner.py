@@ -31,6 +31,11 @@ RAW_PLANE_RATIO = 0.985
 #: sample bytes per storage for these choices; storages under MIN_SAMPLED are not sampled
 SAMPLE = 4 << 20
 CPU_SAMPLE = 1 << 20  # CPU codecs are slow: sample less
+#: on the CPU, raw planes are chosen without calling the codec: a byte plane is stored raw when
+#: the order-0 entropy of a sample of it exceeds this fraction of 8 bits (zstd's Huffman-coded
+#: literals come within about 1 % of it); the sample is 4 runs of CPU_ENTROPY_RUN words
+CPU_RAW_ENTROPY = 0.97
+CPU_ENTROPY_RUN = 1 << 12
 MIN_SAMPLED = 1 << 20
 MIN_TRANSFORMED = 64 << 10  # on the GPU, smaller float storages skip the byteplane transform
 #: chunk sizes tried for the exponent plane (locally varying exponents, as in Adam's v, favour
@@ -60,6 +65,29 @@ def byteplane_for(ref: StorageRef, chunk_size: int) -> BytePlane | None:
     if w and ref.data.numel() % w == 0:
         return BytePlane(w, max(1, min(MAX_CHUNK // w, chunk_size * 16 // w)))
     return None
+
+
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def cpu_raw_planes(data: torch.Tensor, width: int) -> frozenset:
+    """Byte planes (as :class:`BytePlane` numbers them) whose order-0 entropy, estimated on up to
+    4 runs of CPU_ENTROPY_RUN words spread over ``data``, exceeds CPU_RAW_ENTROPY. Storages under
+    4 runs are not estimated (all planes go to the codec; a chunk that does not shrink stays
+    raw)."""
+    n, k = data.numel() // width, CPU_ENTROPY_RUN
+    if n < 4 * k:
+        return frozenset()
+    # numpy, not torch ops: torch's intra-op threads stall when the cores are oversubscribed
+    words = data[:n * width] if data.device.type == "cpu" else data[:n * width].cpu()
+    u = words.numpy().view(_UINT[width])
+    u = np.concatenate([u[a:a + k] for a in (i * (n - k) // 3 for i in range(4))])
+    r = (u << 1) | (u >> (8 * width - 1))
+    q = np.stack([np.bincount((r >> (8 * p)).astype(np.uint8), minlength=256)
+                  for p in range(width)]) / len(u)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        h = -np.nansum(q * np.log2(q), axis=1)
+    return frozenset(int(p) for p in np.nonzero(h > 8 * CPU_RAW_ENTROPY)[0])
 
 
 class Planner:
@@ -107,6 +135,12 @@ class Planner:
             return Plan(None, self.codec({"id": "ans", "data_type": word}), chunk), {}
         if self.auto and cfg["id"] == "ans" and tf is None and ref.elem.startswith("float8"):
             return Plan(None, self.codec({"id": "ans", "data_type": "|f1"}), chunk), {}
+        if self.dev == "cpu" and tf is not None:
+            # CPU: zstd with parameters for byte planes unless a level was asked for, and raw
+            # planes from a cheap entropy estimate instead of sampling with the codec
+            if c.wire_id == "zstd" and not lvl and "level" not in cfg:
+                c = self.codec(cfg, {"planes": 1})
+            return Plan(tf, c, chunk, raw_planes=cpu_raw_planes(ref.data, tf.width)), {}
         plan = Plan(tf, c, chunk)
         if tf is None or ref.data.numel() < MIN_SAMPLED:
             return plan, {}

@@ -2,6 +2,8 @@
 writing GPU windows on a background thread while the next window is compressed."""
 from __future__ import annotations
 
+import io
+import os
 import queue
 import threading
 
@@ -12,6 +14,31 @@ from ..engine.encode import Encoded, stage_encoded
 from ..engine.memory import ALIGN, PINNED
 from ..format import ROW, checksum
 from .reader import checksums
+
+_ZEROS = memoryview(bytes(ALIGN))
+_IOV_MAX = 1024
+
+
+def _write_all(f, parts: list) -> None:
+    """Write the buffers in order: ``os.writev`` batches on a plain unbuffered file (partial
+    writes resumed), ``f.write`` per buffer on anything else."""
+    if not (isinstance(f, io.FileIO) and hasattr(os, "writev")):
+        for p in parts:
+            f.write(p)
+        return
+    fd = f.fileno()
+    i = 0
+    while i < len(parts):
+        batch = parts[i:i + _IOV_MAX]
+        n = os.writev(fd, batch)
+        for p in batch:
+            if n >= len(p):
+                n -= len(p)
+                i += 1
+            else:  # partial write: the rest of this buffer goes first next time
+                parts[i] = p[n:]
+                break
+
 
 class ChunkWriter:
     """Appends chunks at 16-byte aligned offsets (zero padding between) and records their table
@@ -37,14 +64,24 @@ class ChunkWriter:
         if not len(enc.stored):
             return
         if enc.tensors[0].device.type != "cuda" and self._q is None:
-            block = enc.rows(np.zeros(len(enc.stored), dtype=np.int64))
-            for k, (t, so, ln) in enumerate(zip(enc.src.tolist(), enc.soff.tolist(), enc.stored.tolist())):
-                pad, off = self._place(ln)
-                if pad:
-                    self.f.write(b"\0" * pad)
-                mv = memoryview(enc.tensors[t][so:so + ln].numpy())
-                self.f.write(mv)
-                block[k]["offset"], block[k]["xxh3"] = off, checksum(mv)
+            # the chunks are written in place (no packing copy), all of them in a few writev
+            # calls where the file is a plain file descriptor
+            offs, total = enc.packed()
+            pad0, start = self._place(0)
+            offs = offs + start
+            block = enc.rows(offs)
+            arrays = [t.numpy() for t in enc.tensors]
+            bufs = [memoryview(arrays[t][so:so + ln])
+                    for t, so, ln in zip(enc.src.tolist(), enc.soff.tolist(), enc.stored.tolist())]
+            block["xxh3"] = [checksum(b) for b in bufs]
+            pads = (np.append(offs[1:], start + total) - offs - enc.stored).tolist()
+            parts = [_ZEROS[:pad0]] if pad0 else []
+            for b, p in zip(bufs, pads):
+                parts.append(b)
+                if p:
+                    parts.append(_ZEROS[:p])
+            _write_all(self.f, parts)
+            self.pos = start + total
             self.rows.append(block)
             return
         self._check()

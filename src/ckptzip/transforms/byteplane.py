@@ -118,29 +118,77 @@ class BytePlane(Transform):
 
 
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+#: words per step of the CPU loops: a step's temporaries stay in the L2 cache
+_STEP = 1 << 16
+#: inputs of at least this many bytes are split between the threads of the CPU codec pool
+_PARALLEL = 4 << 20
+
+
+def _np_steps(n: int, w: int, b: int) -> list[tuple[int, int, int, int]]:
+    """(word start, word end, block start word, block words) of every step, steps inside blocks."""
+    out = []
+    for start in range(0, n, b):
+        m = min(b, n - start)
+        for s in range(start, start + m, _STEP):
+            out.append((s, min(start + m, s + _STEP), start, m))
+    return out
+
+
+def _np_run(fn, steps: list, nbytes: int) -> None:
+    """Run ``fn(steps)`` over the steps, split between threads for large inputs (numpy releases
+    the GIL in its loops)."""
+    from ..codecs.cpu import _pmap, cpu_threads
+    k = min(cpu_threads(), len(steps)) if nbytes >= _PARALLEL else 1
+    if k <= 1:
+        fn(steps)
+        return
+    parts = [steps[i * len(steps) // k:(i + 1) * len(steps) // k] for i in range(k)]
+    _pmap(lambda i: fn(parts[i]), k)
 
 
 def _np_encode(src: np.ndarray, out: np.ndarray, w: int, b: int) -> None:
-    """CPU byteplane encode (same wire format as the torch and Triton versions)."""
+    """CPU byteplane encode (same wire format as the torch and Triton versions): per step of
+    words, rotate into a cache-resident temporary, then narrow each byte into its plane (shifts
+    and casts vectorize; a strided byte gather does not)."""
     n = src.size // w
     u = src.view(_UINT[w])
-    rb = ((u << 1) | (u >> (8 * w - 1))).view(np.uint8).reshape(n, w)
-    full = n // b * b
-    if full:
-        nb = full // b
-        out[: full * w].reshape(nb, w, b)[:] = rb[:full].reshape(nb, b, w).transpose(0, 2, 1)
-    if n > full:
-        out[full * w:].reshape(w, n - full)[:] = rb[full:].T
+    ut = _UINT[w]
+
+    def run(steps) -> None:
+        t = np.empty(_STEP, ut)
+        r = np.empty(_STEP, ut)
+        for s, e, start, m in steps:
+            x, tt, rr = u[s:e], t[:e - s], r[:e - s]
+            np.left_shift(x, 1, out=tt)
+            np.right_shift(x, 8 * w - 1, out=rr)
+            tt |= rr
+            planes = out[start * w:(start + m) * w].reshape(w, m)
+            for k in range(w):
+                if k:
+                    np.right_shift(tt, 8, out=tt)
+                np.copyto(planes[k, s - start:e - start], tt, casting="unsafe")
+    _np_run(run, _np_steps(n, w, b), src.size)
 
 
 def _np_decode(src: np.ndarray, dst: np.ndarray, w: int, b: int) -> None:
     n = src.size // w
-    full = n // b * b
-    dv = dst.reshape(n, w)
-    if full:
-        nb = full // b
-        dv[:full].reshape(nb, b, w)[:] = src[: full * w].reshape(nb, w, b).transpose(0, 2, 1)
-    if n > full:
-        dv[full:] = src[full * w:].reshape(w, n - full).T
-    u = dst.view(_UINT[w])
-    u[:] = (u >> 1) | (u << (8 * w - 1))
+    ut = _UINT[w]
+    d = dst.view(ut)
+
+    def run(steps) -> None:
+        t = np.empty(_STEP, ut)
+        q = np.empty(_STEP, ut)
+        for s, e, start, m in steps:
+            tt, qq = t[:e - s], q[:e - s]
+            planes = src[start * w:(start + m) * w].reshape(w, m)
+            a, z = s - start, e - start
+            np.copyto(tt, planes[w - 1, a:z], casting="unsafe")
+            for k in range(w - 2, -1, -1):
+                np.left_shift(tt, 8, out=tt)
+                np.copyto(qq, planes[k, a:z], casting="unsafe")
+                tt |= qq
+            dd = d[s:e]
+            np.right_shift(tt, 1, out=dd)
+            np.left_shift(tt, 8 * w - 1, out=tt)
+            dd |= tt
+    _np_run(run, _np_steps(n, w, b), src.size)
