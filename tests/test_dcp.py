@@ -21,6 +21,15 @@ from ckptzip.errors import CorruptFileError, PickleNotAllowedError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
+# torch < 2.13 (2.11 on the GPU machine) replaces an exception of read_metadata inside dcp.load by
+# "AssertionError: metadata is None": the load is still refused, and read_metadata() itself (tested
+# beside each such call) raises the named error.
+_OLD_TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
+
+def _refused(name: str) -> str:
+    return f"{name}|metadata is None" if _OLD_TORCH else name
+
 
 # ---------------------------------------------------------------------------------------- helpers
 def _free_port() -> int:
@@ -282,7 +291,7 @@ def test_failed_multi_rank_save_is_not_committed(ckpts):
         assert COMMIT_NAME not in names and METADATA_NAME not in names
         with pytest.raises(IncompleteCheckpointError):
             read_metadata(ckpts[key])
-        with pytest.raises(CheckpointException, match="IncompleteCheckpointError"):
+        with pytest.raises(CheckpointException, match=_refused("IncompleteCheckpointError")):
             dcp.load({"model": {"0.weight": torch.zeros(24, 12)}}, storage_reader=Reader(ckpts[key]))
 
 
@@ -332,7 +341,7 @@ def test_missing_commit_marker_refused_previous_still_loads(tmp_path):
         f.truncate(40)
     with pytest.raises(IncompleteCheckpointError, match="COMMIT"):
         read_metadata(cur)
-    with pytest.raises(CheckpointException, match="IncompleteCheckpointError"):
+    with pytest.raises(CheckpointException, match=_refused("IncompleteCheckpointError")):
         dcp.load(_fresh(st), storage_reader=Reader(cur))
     got = _fresh(st)
     dcp.load(got, storage_reader=Reader(prev))
@@ -435,7 +444,7 @@ def test_forged_metadata_refused_without_unpickling(tmp_path, name, mutate):
     with pytest.raises(DCPMetadataError) as ei:
         read_metadata(p)
     assert isinstance(ei.value, CorruptFileError)
-    with pytest.raises(CheckpointException, match="DCPMetadataError"):
+    with pytest.raises(CheckpointException, match=_refused("DCPMetadataError")):
         dcp.load(_fresh(st), storage_reader=Reader(p))
     assert not os.path.exists(marker)
 
