@@ -507,3 +507,19 @@ def test_max_bytes_option(tmp_path, capsys):
         assert cli(*cmd, "--max-bytes", 1 << 20) == 0, cmd
         capsys.readouterr()
     assert cli("info", p, "--max-bytes", "-1") == 2
+
+
+def test_export_command_and_info_says_lossy(tmp_path, capsys):
+    torch.manual_seed(0)
+    sd = {"model": {"w": torch.randn(64, 128), "b": torch.randn(64)}, "optimizer": {"state": {}}}
+    src, dst = tmp_path / "s.ckz", tmp_path / "lossy.ckz"
+    ckptzip.save(sd, src)
+    capsys.readouterr()
+    assert cli("export", src, dst, "--scheme", "int4", "--json") == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert "w" in rep["quantized"] and "b" in rep["kept"]
+    assert cli("info", dst) == 0 and "LOSSY" in capsys.readouterr().out
+    assert cli("export", src, dst, "--scheme", "int4") == 1  # DST exists, no --force
+    one_error_line(capsys.readouterr().err)
+    assert cli("export", src, tmp_path / "x.ckz", "--eval", "nomodule") == 2
+    one_error_line(capsys.readouterr().err)

@@ -287,13 +287,6 @@ def test_proxy_allocation_without_eval_fn(tmp_path):
     assert len(ex.load_lossy(tmp_path / "p.ckz")) == len(sd)
 
 
-def test_format_report_is_a_rich_table(tmp_path):
-    pytest.importorskip("rich")
-    r = ex.export(_mlp().state_dict(), tmp_path / "o.ckz", scheme="int4")
-    t = ex.format_report(r)
-    assert t.row_count == len(r["quantized"]) + len(r["kept"])
-
-
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_source(tmp_path):
     dcp = pytest.importorskip("torch.distributed.checkpoint")

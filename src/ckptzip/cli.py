@@ -454,7 +454,9 @@ def cmd_info(a) -> int:
         print(json.dumps({**head, "tensors": rows}, indent=1))  # JSON escapes control characters
         return 0
     v = head["version"]
-    t = Table(title=line(f"{a.file}  (format {v[0]}.{v[1]}, {head['created_by']})"))
+    lossy = head["metadata"].get("ckptzip.lossy") == "1"
+    t = Table(title=line(("LOSSY export (not for resuming)  ", "bold red") if lossy else "",
+                         f"{a.file}  (format {v[0]}.{v[1]}, {head['created_by']})"))
     for c in ("key", "dtype", "shape", "raw", "stored", "ratio", "codec"):
         t.add_column(c, justify="right" if c in ("raw", "stored", "ratio") else "left",
                      overflow="fold" if c == "key" else "ellipsis")
@@ -537,6 +539,64 @@ def cmd_consolidate(a) -> int:
             raise first from None
         raise CorruptDCPError(str(e).splitlines()[0]) from None
     _summary(a.directory, res)
+    return 0
+
+
+def _import_eval(spec: str):
+    """``MODULE:FUNCTION`` -> the function (the module is imported: trusted code you named)."""
+    import importlib
+    mod, _, fn = spec.partition(":")
+    if not mod or not fn:
+        raise UsageError(f"--eval takes MODULE:FUNCTION, not {spec!r}")
+    try:
+        f = getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise UsageError(f"--eval {spec}: {e}") from None
+    if not callable(f):
+        raise UsageError(f"--eval {spec}: not callable")
+    return f
+
+
+def cmd_export(a) -> int:
+    from . import lossy
+    eval_fn = _import_eval(a.eval) if a.eval else None
+    if not _is_url(a.src) and not os.path.exists(a.src):
+        raise FileNotFoundError(2, "No such file or directory", a.src)
+    show = _show_progress(a.quiet or a.json)
+    with contextlib.ExitStack() as stack:
+        cb = None
+        if show:
+            p = stack.enter_context(Progress("[progress.description]{task.description}", BarColumn(),
+                                             "{task.completed}/{task.total}", TimeRemainingColumn(),
+                                             console=err, transient=True))
+            task = p.add_task("exporting", total=None)
+
+            def cb(done: int, total: int) -> None:
+                p.update(task, completed=done, total=total)
+        rep = lossy.export(a.src, a.dst, scheme=a.scheme, bpw=a.bpw, max_loss_increase=a.max_loss_increase,
+                           eval_fn=eval_fn, keep=tuple(a.keep or ()), model_key=a.model_key, format=a.format,
+                           force=a.force, progress=cb, nonfinite=a.nonfinite)
+    if a.json:
+        print(json.dumps(rep, default=str))
+        return 0
+    t = Table(title=line(f"LOSSY export {a.dst}"))
+    for c in ("tensor", "shape", "scheme", "bpw (est)", "rel. err", "loss change"):
+        t.add_column(c, justify="left" if c in ("tensor", "scheme") else "right",
+                     overflow="fold" if c == "tensor" else "ellipsis")
+    for n, r in rep.get("quantized", {}).items():
+        ld = r.get("loss_delta")
+        t.add_row(text(n), text(_shape(r["shape"])), text(r["scheme"]), f"{r['bpw_est']:.2f}", f"{r['err']:.4f}",
+                  "" if ld is None else f"{ld:+.5f}")
+    for n, why in rep.get("kept", {}).items():
+        t.add_row(text(n), "", text("kept (lossless)"), "", "0", "", style="dim")
+    console.print(t)
+    for k, why in (rep.get("dropped") or {}).items():
+        say(line(("dropped ", "dim"), f"{k}: {why}"))
+    if rep.get("bpw") is not None:
+        say(line(f"bits per quantized weight {rep['bpw']:.3f}; file {rep.get('dst_bytes', 0):,} bytes"))
+    loss = rep.get("loss") or {}
+    if loss.get("change_pct") is not None:
+        say(line(f"held-out loss {loss['base']:.5f} -> {loss['measured']:.5f} ({loss['change_pct']:+.3f} %)"))
     return 0
 
 
@@ -743,6 +803,40 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take the ratio measured on this .ckz file instead of --ratio")
     k.add_argument("--json", action="store_true", help="print JSON only (for scripts)")
     k.set_defaults(fn=cmd_cost)
+
+    ex = command("export", "LOSSY weights-only export (quantized) of a checkpoint; never for resuming",
+                 "Write a lossy, weights-only artifact of SRC (a .ckz, a torch .pt read without pickle, "
+                 "a safetensors file or a ckptzip/DCP checkpoint directory): the model weights are "
+                 "found (or --model-key), the optimizer state and the duplicate precision copy are "
+                 "dropped, matrices are quantized (fp8 per row, intN group-wise) and entropy-coded; "
+                 "vectors, non-float tensors and --keep matches stay lossless. Resume paths refuse "
+                 "the result (LossyCheckpointError). See docs/export.md.")
+    ex.add_argument("src", help="checkpoint to export from")
+    ex.add_argument("dst", help="output .ckz file, or directory for --format compressed-tensors")
+    ex.add_argument("--scheme", default="auto",
+                    help="auto (per-tensor allocation under --bpw or --max-loss-increase) or one of "
+                         "bf16, fp8, int8, int6, int5, int4, int3, int2, optionally -g32/-g64/-g128 "
+                         "(group size, default 128) and -sym (symmetric; default asymmetric)")
+    ex.add_argument("--bpw", type=_positive(float), default=None,
+                    help="bits-per-weight budget of the quantized tensors for --scheme auto "
+                         "(default 4.5 without --eval)")
+    ex.add_argument("--max-loss-increase", type=_positive(float), default=None,
+                    help="relative held-out loss budget for --scheme auto, e.g. 0.001 = +0.1 %% "
+                         "(needs --eval; default 0.001 with --eval)")
+    ex.add_argument("--eval", default=None, metavar="MODULE:FUNCTION",
+                    help="function(weights: dict[str, Tensor]) -> float held-out loss; the module is "
+                         "imported (your code)")
+    ex.add_argument("--keep", action="append", metavar="PATTERN",
+                    help="fnmatch pattern of tensor names stored losslessly (repeatable)")
+    ex.add_argument("--model-key", default=None, help="key of the model state dict in SRC (default: found)")
+    ex.add_argument("--format", choices=("ckz", "compressed-tensors"), default="ckz",
+                    help="a lossy .ckz, or a compressed-tensors directory (safetensors + config.json)")
+    ex.add_argument("--nonfinite", choices=("refuse", "keep"), default="refuse",
+                    help="weights with NaN/Inf: refuse (error naming the tensor) or keep them lossless")
+    ex.add_argument("--force", action="store_true", help="replace an existing DST")
+    ex.add_argument("--json", action="store_true", help="print the report as JSON only")
+    _add_quiet(ex)
+    ex.set_defaults(fn=cmd_export)
 
     ls = command("ls", "checkpoints of a CheckpointManager directory, with their status",
                  "Every checkpoint of a CheckpointManager directory (files and distributed checkpoint "

@@ -5,13 +5,13 @@ ckptzip reads. Resume checkpoints stay lossless; see docs/export.md.
     weights = ckptzip.lossy.load_lossy("model-int4.ckz")        # {name: bf16 tensor}
     ckptzip.lossy.ensure_lossless(path)                          # resume paths: refuse lossy files
 """
-from .core import (FORMAT, META_LOSSY, META_SCHEME, ensure_lossless, export, format_report, is_lossy,
+from .core import (FORMAT, META_LOSSY, META_SCHEME, ensure_lossless, export, is_lossy,
                    load_codes, load_lossy)
 from .errors import (BudgetError, DestinationError, ExportError, LossyCheckpointError, NoFloatWeightsError,
                      NonFiniteWeightError, SchemeError)
 from .quant import Scheme, dequantize, parse_scheme, quantize, signed_codes, unpack_codes
 
-__all__ = ["export", "load_lossy", "load_codes", "is_lossy", "ensure_lossless", "format_report",
+__all__ = ["export", "load_lossy", "load_codes", "is_lossy", "ensure_lossless",
            "quantize", "dequantize", "unpack_codes", "signed_codes", "parse_scheme", "Scheme",
            "FORMAT", "META_LOSSY", "META_SCHEME",
            "ExportError", "NoFloatWeightsError", "SchemeError", "NonFiniteWeightError", "DestinationError",

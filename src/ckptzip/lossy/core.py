@@ -280,29 +280,5 @@ def load_codes(path: Any) -> dict[str, Any]:
     return dict(_load_tree(path))
 
 
-def format_report(report: Mapping[str, Any]):
-    """A rich Table of the per-tensor results (for the CLI; the library itself prints nothing)."""
-    from rich.table import Table
-    t = Table(title=f"ckptzip export: {report.get('dst', '')}")
-    for col in ("tensor", "shape", "scheme", "bpw (est)", "rel. err", "loss Δ"):
-        t.add_column(col, justify="left" if col in ("tensor", "scheme") else "right")
-    for n, r in report.get("quantized", {}).items():
-        ld = r.get("loss_delta")
-        t.add_row(n, "x".join(map(str, r["shape"])), r["scheme"], f"{r['bpw_est']:.2f}", f"{r['err']:.4f}",
-                  "" if ld is None else f"{ld:+.5f}")
-    for n, why in report.get("kept", {}).items():
-        t.add_row(n, "", "kept", "", "0", "", style="dim")
-    loss = report.get("loss") or {}
-    cap = [f"bpw {report['bpw']:.3f}" if report.get("bpw") is not None else f"bpw≈{report.get('bpw_est', 0):.3f}"]
-    if loss.get("change_pct") is not None:
-        cap.append(f"held-out loss {loss['base']:.4f} -> {loss['measured']:.4f} ({loss['change_pct']:+.3f} %)")
-        if loss.get("predicted") is not None:
-            cap.append(f"predicted {loss['predicted']:.4f}")
-    for k, why in (report.get("dropped") or {}).items():
-        cap.append(f"dropped {k}: {why}")
-    t.caption = "; ".join(cap)
-    return t
-
-
-__all__ = ["export", "is_lossy", "ensure_lossless", "load_lossy", "load_codes", "format_report",
+__all__ = ["export", "is_lossy", "ensure_lossless", "load_lossy", "load_codes",
            "SchemeError", "FORMAT"]
