@@ -491,7 +491,21 @@ class _Staged:
         self.snap, self.keys, self.sizes = snap, keys, sizes
 
 
-class Writer(StorageWriter):
+class _PathId:
+    """``checkpoint_id`` handling shared by Writer and Reader: the checkpoint directory (or URL)."""
+
+    path: str
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class Writer(_PathId, StorageWriter):
     """DCP ``StorageWriter`` writing one ckptzip ``.ckz`` file per rank plus JSON metadata and a
     commit marker. ``codec``, ``portable`` and ``save_kwargs`` go to :func:`ckptzip.save`.
 
@@ -575,14 +589,6 @@ class Writer(StorageWriter):
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
         self.save_id = uuid.uuid4().hex
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -741,7 +747,7 @@ def _safe_bytes(raw: bytes, what: str) -> io.BytesIO:
     return buf
 
 
-class Reader(StorageReader):
+class Reader(_PathId, StorageReader):
     """DCP ``StorageReader`` for checkpoints written by :class:`Writer`. Never unpickles the
     metadata; bytes items are loaded through ``torch.load(weights_only=True)`` unless
     ``allow_pickle=True``. ``cache_bytes`` bounds decoded data kept between read items of one file."""
@@ -760,14 +766,6 @@ class Reader(StorageReader):
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
         self.load_id = uuid.uuid4().hex
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
 
     def read_metadata(self) -> Metadata:  # no **kwargs: no fallback to per-rank metadata
         md = read_metadata(self.path)

@@ -268,14 +268,8 @@ class CheckpointManager:
                 f.write(marker)
 
     def _commit(self, step: int, res: dict) -> None:
-        marker = json.dumps({"step": step, "file": os.path.basename(res["path"]),
-                             "bytes": res["stored_bytes"]}).encode()
-        if is_url(self.directory):  # an object store PUT is atomic: the marker appears whole
-            with self.fs.open(self._marker(step), "wb") as f:
-                f.write(marker)
-        else:
-            with atomic_write(self._marker(step)) as f:
-                f.write(marker)
+        self._write_marker(step, {"step": step, "file": os.path.basename(res["path"]),
+                                  "bytes": res["stored_bytes"]})
         self._rotate()
 
     def wait(self) -> None:

@@ -52,6 +52,17 @@ def _pmap(fn: Callable[[int], Any], n: int) -> list[Any]:
     return list(_pool().map(fn, range(n)))
 
 
+
+def _concat(outs: list) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Compressed chunks (buffers) back to back in one uint8 tensor: (tensor, offsets, sizes)."""
+    out_sizes = [len(o) for o in outs]
+    out_offsets = np.concatenate([[0], np.cumsum(out_sizes[:-1], dtype=np.int64)]).tolist() if outs else []
+    dst = torch.empty(sum(out_sizes), dtype=torch.uint8)
+    d = dst.numpy()
+    for o, off, n in zip(outs, out_offsets, out_sizes):
+        d[off:off + n] = np.frombuffer(o, dtype=np.uint8)
+    return dst, out_offsets, out_sizes
+
 class _ByteCodec(Codec):
     """Shared driver: per-chunk ``_compress(bytes)->bytes`` and ``_decompress(bytes, n)->bytes``."""
 
@@ -65,14 +76,7 @@ class _ByteCodec(Codec):
         a = as_numpy(src)
         outs = _pmap(lambda i: self._compress(memoryview(a[offsets[i]:offsets[i] + sizes[i]])),
                      len(sizes))
-        out_sizes = [len(o) for o in outs]
-        out_offsets = np.concatenate([[0], np.cumsum(out_sizes[:-1], dtype=np.int64)]).tolist() \
-            if outs else []
-        dst = torch.empty(sum(out_sizes), dtype=torch.uint8)
-        d = dst.numpy()
-        for o, off, n in zip(outs, out_offsets, out_sizes):
-            d[off:off + n] = np.frombuffer(o, dtype=np.uint8)
-        return dst, out_offsets, out_sizes
+        return _concat(outs)
 
     def decode(self, src, src_offsets, src_sizes, dst, dst_offsets, dst_sizes):
         a, d = as_numpy(src), as_numpy(dst)
@@ -170,14 +174,7 @@ class ZstdCPU(_ByteCodec):
         a = as_numpy(src)
         res = self._cctx().multi_compress_to_buffer(
             zstandard.BufferWithSegments(memoryview(a), _segments(offsets, sizes)), threads=threads)
-        outs = [res[i] for i in range(len(res))]
-        out_sizes = [len(o) for o in outs]
-        out_offsets = np.concatenate([[0], np.cumsum(out_sizes[:-1], dtype=np.int64)]).tolist()
-        dst = torch.empty(sum(out_sizes), dtype=torch.uint8)
-        d = dst.numpy()
-        for o, off, n in zip(outs, out_offsets, out_sizes):
-            d[off:off + n] = np.frombuffer(o, dtype=np.uint8)
-        return dst, out_offsets, out_sizes
+        return _concat([res[i] for i in range(len(res))])
 
     def decode(self, src, src_offsets, src_sizes, dst, dst_offsets, dst_sizes):
         threads = self._multi(dst_sizes)
