@@ -19,9 +19,9 @@ import torch
 
 from ..errors import UnknownCodecError
 
-#: transform ids that format v1 reserves for later versions (delta against another tensor of this
-#: file or of a base checkpoint, XOR against a base); a v1 reader names them in its error
-RESERVED = ("delta", "xor", "derived")
+#: transform ids that format v1 reserves for later versions (v1.1 defines ``xor`` and ``derived``;
+#: ``delta``, integer subtraction against a reference, stays reserved); a reader names them in its error
+RESERVED = ("delta",)
 
 
 class Transform(abc.ABC):
