@@ -83,6 +83,7 @@ TRANSFORM_EXAMPLES = {
     # format 1.1 reference transforms: bound to a random reference (float32 bytes with NaNs, -0.0,
     # infinities for derived) by test_transform_inverts_and_keeps_input
     "xor": [{"id": "xor", "ref": {"base": 0, "storage": s}} for s in (0, 3)],
+    "delta": [{"id": "delta", "ref": {"base": 0, "storage": 2}, "width": w} for w in (2, 4, 8)],
     "derived": [{"id": "derived", "ref": {"storage": 1}, "from": "float32", "to": to}
                 for to in ("bfloat16", "float16")],
 }

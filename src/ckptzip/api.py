@@ -288,7 +288,7 @@ class CheckpointReader:
         order = sorted(jobs, key=lambda i: (level[i], i))
         for L in sorted(set(level.values())):
             batch = [jobs[i] for i in order if level[i] == L]
-            xors = [j for j in batch if j.ref is not None and j.ref.wire_id == "xor"]
+            xors = [j for j in batch if j.ref is not None and j.ref.wire_id in ("xor", "delta")]
             if xors:
                 base = self.base_reader()
                 first: dict[int, torch.Tensor] = {}
@@ -304,7 +304,7 @@ class CheckpointReader:
                     src = first[j.ref.storage]
                     if src is not j.out:
                         j.out.copy_(src)
-                    j.ref = j.ref.bind(j.out)  # in place: out holds the base, the residual is XORed in
+                    j.ref = j.ref.bind(j.out)  # in place: out holds the base, the residual is applied to it
             for j in batch:
                 if j.ref is not None and j.ref.wire_id == "derived":
                     j.ref = j.ref.bind(need[j.ref.storage])

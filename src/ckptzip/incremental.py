@@ -23,7 +23,7 @@ import torch
 
 from .errors import BaseCheckpointError
 from .storage import is_url
-from .transforms.refs import Xor
+from .transforms.refs import Delta, Xor
 from .tree import StorageRef, tensor_keys
 from .validate import MAX_CHAIN
 
@@ -115,8 +115,9 @@ def xor_pairs(root: Any, refs: list[StorageRef], base_reader: Any) -> dict[int, 
     return pairs
 
 
-def xor_candidates(root: Any, refs: list[StorageRef], base_reader: Any, skip: set) -> dict[int, Xor]:
-    """Bound ``xor`` transforms for every storage with a matching base storage: the base storages
+def delta_candidates(root: Any, refs: list[StorageRef], base_reader: Any, skip: set) -> dict[int, Any]:
+    """Bound reference transforms for every storage with a matching base storage (``delta`` for
+    floats of 2, 4 or 8 bytes, ``xor`` for anything else): the base storages
     are decoded (pipelined, one pass) onto the device of the storage they are compared with."""
     pairs = {i: j for i, j in xor_pairs(root, refs, base_reader).items() if i not in skip}
     outs: dict[int, torch.Tensor] = {}
@@ -130,7 +131,8 @@ def xor_candidates(root: Any, refs: list[StorageRef], base_reader: Any, skip: se
         t = outs[j]
         if t.device != refs[i].data.device:
             t = t.to(refs[i].data.device)
-        res[i] = Xor(0, j).bind(t)
+        w = refs[i].float_width
+        res[i] = (Delta(0, j, w) if w and refs[i].data.numel() % w == 0 else Xor(0, j)).bind(t)
     return res
 
 

@@ -61,11 +61,11 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
     bases = None
     if base is not None:
         from .api import CheckpointReader
-        from .incremental import record_for, xor_candidates
+        from .incremental import delta_candidates, record_for
         base = os.fspath(base)
         with CheckpointReader(base) as br:
             bases = [record_for(br, base, target)]
-            ref_tfs.update(xor_candidates(root, enc.storages, br, skip=set(ref_tfs)))
+            ref_tfs.update(delta_candidates(root, enc.storages, br, skip=set(ref_tfs)))
     plans = planner.plan_all(enc.storages, window, reuse_plan, ref_tfs)
     units = [u for i, (ref, plan) in enumerate(zip(enc.storages, plans))
              for u in units_of(i, ref.data, plan, window)]
@@ -124,7 +124,8 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
         out["base"] = prep.bases[0]["file"]
     refs = [p.ref.wire_id for p in prep.plans if p.ref is not None]
     if refs:
-        out["xor_storages"], out["derived_storages"] = refs.count("xor"), refs.count("derived")
+        out["delta_storages"] = len(refs) - refs.count("derived")  # xor or delta against the base
+        out["derived_storages"] = refs.count("derived")
     return out
 
 

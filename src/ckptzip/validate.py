@@ -29,8 +29,8 @@ _INT_RE = re.compile(r"-?[0-9]+\Z")
 _FLOAT_RE = re.compile(r"[0-9a-fA-F]{16}\Z")
 _SHA_RE = re.compile(r"[0-9a-f]{64}\Z")
 #: transform ids that refer to another storage (format 1.1) and those this reader implements
-REF_TRANSFORMS = frozenset({"xor", "derived"})
-KNOWN_TRANSFORMS = frozenset({"byteplane", "xor", "derived"})
+REF_TRANSFORMS = frozenset({"xor", "delta", "derived"})
+KNOWN_TRANSFORMS = frozenset({"byteplane", "xor", "delta", "derived"})
 #: at most this many bases per file (1.1 writers write one) and this many files in a chain
 MAX_BASES = 1
 MAX_CHAIN = 64
@@ -209,9 +209,9 @@ def _refs(storages: list, n_bases: int) -> None:
             continue
         from .transforms import get_transform
         t = get_transform(tfs[0])  # option names and integer fields checked there
-        if t.wire_id == "xor":
+        if t.wire_id in ("xor", "delta"):
             if t.base >= n_bases:
-                raise _bad(f"storage {i}: xor refers to base {t.base}, which does not exist")
+                raise _bad(f"storage {i}: {t.wire_id} refers to base {t.base}, which does not exist")
         else:
             k = t.storage
             if k >= len(storages) or k == i:

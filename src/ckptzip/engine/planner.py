@@ -155,7 +155,7 @@ class Planner:
                 if rt.wire_id == "derived":
                     p, v = refplan.derived_plan(p, rt), {}
                 else:
-                    v = refplan.xor_variant(p, v, rt)
+                    v = refplan.ref_variant(p, v, rt)
             plans.append(p)
             variants.append(v)
         # sample every variant of every storage, all in a few batched codec calls
@@ -180,8 +180,8 @@ class Planner:
         for i, (ref, var) in enumerate(zip(refs, variants)):
             if "planes" in var:
                 plans[i] = self._decide(ref, plans[i], var, stored, i)
-            if "xor" in var:
-                plans[i] = refplan.choose_xor(plans[i], var, stored, i, min(ref.data.numel(), self.sample),
+            if "ref" in var:
+                plans[i] = refplan.choose_ref(plans[i], var, stored, i, min(ref.data.numel(), self.sample),
                                               RAW_PLANE_RATIO)
         return plans
 

@@ -1,5 +1,5 @@
 """Reference transforms at save time (format 1.1): which storages are ``derived`` (a cast of another
-storage of the same state) and which are stored as ``xor`` against a base checkpoint.
+storage of the same state) and which are stored as ``delta``/``xor`` against a base checkpoint.
 
 * :func:`find_derived` is exact and hash-free: 16-bit storages are matched with float32 storages of
   the same element count by casting a few sampled elements of every candidate (one batched
@@ -7,9 +7,9 @@ storage of the same state) and which are stored as ``xor`` against a base checkp
   element; the mismatches (exceptions) are counted on the device and fetched in one sync per
   shape. A storage whose copy differs in at most :data:`MAX_EXCEPTIONS` of its elements is
   derived: its residual (mostly zero words) costs almost nothing.
-* :func:`xor_variant` / :func:`choose_xor` let the planner sample a storage with and without
-  ``xor`` against its base storage and keep ``xor`` only where the sampled stored size shrinks by
-  at least :data:`XOR_MARGIN`.
+* :func:`ref_variant` / :func:`choose_ref` let the planner sample a storage with and without
+  ``delta`` (or ``xor``) against its base storage and keep it only where the sampled stored size
+  shrinks by at least :data:`REF_MARGIN`.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from .plan import Plan
 MAX_EXCEPTIONS = 1 / 16
 #: sampled elements per candidate pair
 PROBE = 64
-#: xor is kept when the sampled stored size is below (1 - XOR_MARGIN) x the size without it
-XOR_MARGIN = 0.02
+#: delta/xor is kept when the sampled stored size is below (1 - REF_MARGIN) x the size without it
+REF_MARGIN = 0.02
 #: full verification in slices of this many elements (bounds temporary memory)
 VERIFY_SLICE = 1 << 24
 _TO = {"bfloat16": "bfloat16", "float16": "float16"}
@@ -94,24 +94,24 @@ def derived_plan(plan: Plan, ref: Derived) -> Plan:
                 f"({ref.src} -> {ref.to})", ref=ref)
 
 
-def xor_variant(plan: Plan, variants: dict[str, Plan], ref: RefTransform) -> dict[str, Plan]:
+def ref_variant(plan: Plan, variants: dict[str, Plan], ref: RefTransform) -> dict[str, Plan]:
     """The variants to sample for a storage that has a base storage: the plain plan (when the
-    planner would not sample it otherwise) and the same layout with ``xor`` first."""
+    planner would not sample it otherwise) and the same layout with ``ref`` first."""
     out = dict(variants) if variants else {"plain": plan}
     like = variants.get("planes", plan) if variants else plan
-    out["xor"] = Plan(like.transform, like.codec, like.chunk_size, ref=ref)
+    out["ref"] = Plan(like.transform, like.codec, like.chunk_size, ref=ref)
     return out
 
 
-def choose_xor(plan: Plan, var: dict[str, Plan], stored: dict, i: int, sample: int,
+def choose_ref(plan: Plan, var: dict[str, Plan], stored: dict, i: int, sample: int,
                raw_plane_ratio: float) -> Plan:
-    """Keep ``xor`` where its sampled stored size beats the plan chosen without it."""
+    """Keep the reference transform where its sampled stored size beats the plan chosen without it."""
     if "plain" in var:
         base = float(sum(stored[(i, "plain")]))
     else:
         base = plan.est if plan.est is not None else float(sample)
-    x = var["xor"]
-    st = stored[(i, "xor")]
+    x = var["ref"]
+    st = stored[(i, "ref")]
     if x.transform is not None:
         per_plane = sample // x.transform.width
         st = st[: x.transform.width]
@@ -119,10 +119,10 @@ def choose_xor(plan: Plan, var: dict[str, Plan], stored: dict, i: int, sample: i
         est = float(sum(min(v, per_plane) for v in st))
     else:
         est = float(sum(st))
-    if est < (1 - XOR_MARGIN) * base:
-        x.choice = f"xor: sample {est / sample:.3f} vs {base / sample:.3f} without"
+    if est < (1 - REF_MARGIN) * base:
+        x.choice = f"{x.ref.wire_id}: sample {est / sample:.3f} vs {base / sample:.3f} without"
         x.est = est
         return x
     plan.choice = (plan.choice + "; " if plan.choice else "") + \
-        f"no xor: sample {est / sample:.3f} vs {base / sample:.3f}"
+        f"no {x.ref.wire_id}: sample {est / sample:.3f} vs {base / sample:.3f}"
     return plan

@@ -19,9 +19,9 @@ import torch
 
 from ..errors import UnknownCodecError
 
-#: transform ids that format v1 reserves for later versions (v1.1 defines ``xor`` and ``derived``;
-#: ``delta``, integer subtraction against a reference, stays reserved); a reader names them in its error
-RESERVED = ("delta",)
+#: transform ids a format version reserves for later ones (a reader names them in its error); the
+#: ids v1.0 reserved (``delta``, ``xor``, ``derived``) are defined by v1.1
+RESERVED: tuple[str, ...] = ()
 
 
 class Transform(abc.ABC):

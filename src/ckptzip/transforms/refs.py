@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import CorruptFileError, UnknownCodecError
@@ -49,6 +50,12 @@ def words(t: torch.Tensor) -> torch.Tensor:
 
 def _xor(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     wa, wb, wo = words(a), words(b), words(out)
+    if out.device.type == "cpu" and a.device.type == "cpu" and b.device.type == "cpu":
+        if wa.dtype == wb.dtype == wo.dtype:
+            np.bitwise_xor(wa.numpy(), wb.numpy(), out=wo.numpy())
+        else:
+            np.bitwise_xor(a.numpy(), b.numpy(), out=out.numpy())
+        return out
     if wa.dtype == wb.dtype == wo.dtype:
         torch.bitwise_xor(wa, wb, out=wo)
     else:
@@ -61,6 +68,8 @@ def cast16(src: torch.Tensor, to: str) -> torch.Tensor:
     to 16-bit words (int16 tensor) as format 1.1 defines it: bfloat16 by round-to-nearest-even of
     the bit pattern (``(u + 0x7FFF + ((u >> 16) & 1)) >> 16``), float16 by IEEE 754
     roundTiesToEven; every NaN becomes :data:`NAN16`."""
+    if src.device.type == "cpu":
+        return torch.from_numpy(_np_cast16(src.numpy(), to))
     f = src.view(torch.float32)
     if to == "bfloat16":  # int32 arithmetic that cannot overflow
         u = src.view(torch.int32)
@@ -70,6 +79,23 @@ def cast16(src: torch.Tensor, to: str) -> torch.Tensor:
     else:
         r = f.to(torch.float16).view(torch.int16)
     return r.masked_fill_(torch.isnan(f), NAN16[to])
+
+
+def _np_cast16(src: np.ndarray, to: str) -> np.ndarray:
+    """:func:`cast16` for host arrays (numpy: several times faster than torch's CPU kernels here)."""
+    if to == "bfloat16":
+        u = src.view(np.uint32)
+        r = (u >> 16) & 1
+        r += 0x7FFF
+        r += u  # wraps only for NaN patterns, which are replaced below
+        r >>= 16
+        out = r.astype(np.uint16)
+    else:
+        # torch's CPU cast (IEEE roundTiesToEven, vectorized; numpy's is ~10x slower)
+        out = torch.from_numpy(src).view(torch.float32).to(torch.float16).numpy().view(np.uint16)
+    nan = (src.view(np.uint32) & 0x7FFFFFFF) > 0x7F800000
+    out[nan] = NAN16[to]
+    return out.view(np.int16)
 
 
 class RefTransform(Transform):
@@ -121,9 +147,13 @@ class Xor(RefTransform):
 
     def encode(self, src: torch.Tensor, out: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
         out = torch.empty_like(src) if out is None else out
+        if not src.numel():
+            return out
         return _xor(src, self._slice(start, src.numel()).to(src.device), out)
 
     def decode(self, src: torch.Tensor, dst: torch.Tensor, start: int = 0) -> None:
+        if not src.numel():
+            return
         ref = self._slice(start, src.numel())
         _xor(src.to(dst.device), ref if ref.device == dst.device else ref.to(dst.device), dst)
 
@@ -161,7 +191,90 @@ class Derived(RefTransform):
 
     def encode(self, src: torch.Tensor, out: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
         out = torch.empty_like(src) if out is None else out
+        if not src.numel():
+            return out
         return _xor(src, self.predict(start, src.numel(), src.device), out)
 
     def decode(self, src: torch.Tensor, dst: torch.Tensor, start: int = 0) -> None:
+        if not src.numel():
+            return
         _xor(src.to(dst.device), self.predict(start, src.numel(), dst.device), dst)
+
+
+_SINT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@register
+class Delta(RefTransform):
+    """``delta`` (``{"id": "delta", "ref": {"base": 0, "storage": j}, "width": w}``): the storage
+    and storage ``j`` of the base are read as little-endian words of ``w`` bytes (2, 4 or 8);
+    ``d = x - base (mod 2^8w)``, and the residual word is ``d XOR ((d >> (8w-1)) * (2^(8w-1)-1))``:
+    ``d`` with its low ``8w-1`` bits inverted when its top bit is set. For slowly changing floats
+    ``d`` is a small signed integer; the inversion turns ``-k`` into ``k-1`` with the sign on top,
+    so after ``byteplane`` (which rotates the sign to bit 0) the high planes are nearly all zero.
+    Measured on a CPU-trained GPT 50 steps apart it stores fp32 weights in 0.66 of raw against
+    0.69 for ``xor``, bf16 0.33 against 0.38, Adam v 0.77 against 0.79."""
+    wire_id = "delta"
+
+    def __init__(self, base: int, storage: int, width: int) -> None:
+        super().__init__()
+        if width not in _SINT:
+            raise UnknownCodecError(f"delta: unsupported width {width!r}")
+        self.base, self.storage, self.width = base, storage, width
+
+    def get_config(self) -> dict[str, Any]:
+        return {"id": self.wire_id, "ref": {"base": self.base, "storage": self.storage}, "width": self.width}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Delta":
+        ref = config.get("ref")
+        if set(config) - {"id", "ref", "width"} or not isinstance(ref, dict) or set(ref) - {"base", "storage"}:
+            raise UnknownCodecError(f"delta: unknown options in {str(config)[:200]}")
+        if type(config.get("width")) is not int:
+            raise CorruptFileError("delta: width must be an integer")
+        return cls(_int(ref.get("base"), "delta ref.base"), _int(ref.get("storage"), "delta ref.storage"),
+                   config["width"])
+
+    def accepts(self, nbytes: int) -> bool:
+        return nbytes % self.width == 0
+
+    def _fold(self, d):
+        """The residual of a difference word (an involution: it also maps residual -> difference)."""
+        bits = 8 * self.width
+        if isinstance(d, np.ndarray):
+            m = d >> (bits - 1)
+            m *= (1 << (bits - 1)) - 1
+            d ^= m
+            return d
+        return d.bitwise_xor_((d >> (bits - 1)).bitwise_and_((1 << (bits - 1)) - 1))
+
+    def encode(self, src: torch.Tensor, out: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
+        out = torch.empty_like(src) if out is None else out
+        if not src.numel():
+            return out
+        ref = self._slice(start, src.numel())
+        ref = ref if ref.device == src.device else ref.to(src.device)
+        if src.device.type == "cpu" and out.device.type == "cpu":
+            u = _UINT[self.width]
+            o = out.numpy().view(u)
+            np.subtract(src.numpy().view(u), ref.numpy().view(u), out=o)
+            self._fold(o)
+            return out
+        d = src.view(_SINT[self.width]) - ref.view(_SINT[self.width])
+        out.view(_SINT[self.width]).copy_(self._fold(d))
+        return out
+
+    def decode(self, src: torch.Tensor, dst: torch.Tensor, start: int = 0) -> None:
+        if not src.numel():
+            return
+        ref = self._slice(start, src.numel())
+        ref = ref if ref.device == dst.device else ref.to(dst.device)
+        src = src if src.device == dst.device else src.to(dst.device)
+        if dst.device.type == "cpu":
+            u = _UINT[self.width]
+            d = self._fold(src.numpy().view(u).copy())
+            np.add(ref.numpy().view(u), d, out=dst.numpy().view(u))
+            return
+        d = self._fold(src.view(_SINT[self.width]).clone())
+        torch.add(ref.view(_SINT[self.width]), d, out=dst.view(_SINT[self.width]))
