@@ -261,8 +261,9 @@ class Delta(RefTransform):
             np.subtract(src.numpy().view(u), ref.numpy().view(u), out=o)
             self._fold(o)
             return out
-        d = src.view(_SINT[self.width]) - ref.view(_SINT[self.width])
-        out.view(_SINT[self.width]).copy_(self._fold(d))
+        o = out.view(_SINT[self.width])
+        torch.sub(src.view(_SINT[self.width]), ref.view(_SINT[self.width]), out=o)
+        self._fold(o)
         return out
 
     def decode(self, src: torch.Tensor, dst: torch.Tensor, start: int = 0) -> None:
