@@ -348,3 +348,11 @@ def test_base_with_url_target_refused(tmp_path):
     ckptzip.save({"x": torch.ones(4)}, a)
     with pytest.raises(ValueError, match="local paths"):
         ckptzip.save({"x": torch.ones(4)}, "memory://x.ckz", base=a)
+
+
+def test_base_cannot_be_the_target(tmp_path):
+    a = tmp_path / "a.ckz"
+    ckptzip.save({"x": torch.ones(4)}, a)
+    with pytest.raises(ValueError, match="its own base"):
+        ckptzip.save({"x": torch.ones(4)}, a, base=a)
+    assert_same(ckptzip.load(a), {"x": torch.ones(4)})

@@ -36,6 +36,8 @@ def record_for(base_reader: Any, base_path: str, target: Any) -> dict[str, Any]:
     """The ``bases`` record of a file written at ``target`` against ``base_reader``."""
     if not isinstance(target, (str, os.PathLike)) or is_url(os.fspath(target)) or is_url(base_path):
         raise ValueError("incremental saves (base=) need local paths for the file and its base")
+    if os.path.abspath(os.fspath(target)) == os.path.abspath(base_path):
+        raise ValueError(f"a checkpoint cannot be its own base ({base_path}); save to a new path")
     tdir = os.path.dirname(os.path.abspath(os.fspath(target)))
     rel = os.path.relpath(os.path.abspath(base_path), tdir).replace(os.sep, "/")
     depth = 1 + (base_reader.bases[0]["depth"] if base_reader.bases else 0)
