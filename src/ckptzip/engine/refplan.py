@@ -31,7 +31,8 @@ _TO = {"bfloat16": "bfloat16", "float16": "float16"}
 
 
 def _probe_idx(n: int, device: torch.device) -> torch.Tensor:
-    return torch.linspace(0, n - 1, min(n, PROBE), device=device).round().long()
+    k = min(n, PROBE)
+    return torch.arange(k, dtype=torch.int64, device=device) * (n - 1) // max(k - 1, 1)  # exact, in range
 
 
 def _mismatches(tgt: torch.Tensor, src: torch.Tensor, to: str) -> torch.Tensor:
