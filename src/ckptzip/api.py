@@ -264,7 +264,6 @@ class CheckpointReader:
         base's reader straight into the destination), then its residual is applied in place."""
         need = dict(outs)
         jobs: dict[int, Job] = {}
-        order: list[int] = []
         todo = list(need)
         while todo:
             i = todo.pop()
