@@ -145,3 +145,20 @@ def test_handle_timeout_and_summary(tmp_path):
     res = h.wait(timeout=60)
     assert h.done() and res["path"].endswith("a.ckz") and res["raw_bytes"] == 8000
     assert h.stall_s >= 0 and h.path == str(tmp_path / "a.ckz")
+
+
+def test_cpu_async_snapshot_of_a_derived_copy_holds_the_state_at_the_call(tmp_path):
+    """A bf16 copy stored as ``derived`` from its fp32 master: the CPU snapshot takes the
+    residual at the call, so changing the master afterwards does not change the checkpoint."""
+    torch.manual_seed(0)
+    w = torch.randn(300_000)
+    st = {"w": w, "w16": w.to(torch.bfloat16)}
+    want = {k: v.clone() for k, v in st.items()}
+    h = ckptzip.async_save(st, tmp_path / "a.ckz", device="cpu")
+    w.fill_(-1.0)
+    st["w16"].fill_(3.0)
+    h.wait()
+    got = ckptzip.load(tmp_path / "a.ckz")
+    assert torch.equal(got["w"], want["w"]) and torch.equal(got["w16"].view(torch.int16), want["w16"].view(torch.int16))
+    with ckptzip.open(tmp_path / "a.ckz") as r:
+        assert any(t.get("id") == "derived" for s in r.storages for t in s["transforms"])

@@ -80,6 +80,12 @@ def test_codec_config_round_trip(wire, device):
 #: example wire configs per registered transform id (a transform without examples fails below)
 TRANSFORM_EXAMPLES = {
     "byteplane": [{"id": "byteplane", "width": w, "block": b} for w in (2, 4, 8) for b in (1, 7, 700)],
+    # format 1.1 reference transforms: bound to a random reference (float32 bytes with NaNs, -0.0,
+    # infinities for derived) by test_transform_inverts_and_keeps_input
+    "xor": [{"id": "xor", "ref": {"base": 0, "storage": s}} for s in (0, 3)],
+    "delta": [{"id": "delta", "ref": {"base": 0, "storage": 2}, "width": w} for w in (2, 4, 8)],
+    "derived": [{"id": "derived", "ref": {"storage": 1}, "from": "float32", "to": to}
+                for to in ("bfloat16", "float16")],
 }
 DEVICES = ["cpu", "cuda"]
 
@@ -108,6 +114,9 @@ def test_transform_inverts_and_keeps_input(wire, device, n, k):
     t = transforms.get_transform(cfgs[k % len(cfgs)])
     g = torch.Generator().manual_seed(n * 101 + k)
     raw = torch.randint(0, 256, (n * 8,), dtype=torch.uint8, generator=g)
+    if getattr(t, "needs_ref", False):
+        ref = torch.randint(0, 256, (t.ref_nbytes(raw.numel()),), dtype=torch.uint8, generator=g)
+        t = t.bind(ref.to(device))
     assert t.accepts(raw.numel())
     before = raw.clone()
     enc = t.encode(raw.to(device))

@@ -9,7 +9,7 @@ import pytest
 
 import ckptzip
 from conftest import assert_same, cuda_ok
-from fixtures.make_fixtures import HERE, digests, golden_object
+from fixtures.make_fixtures import HERE, digests, golden_object, golden_object_next
 
 FILES = sorted(glob.glob(os.path.join(HERE, "*.ckz")))
 GPU_ONLY = ("ans", "bitcomp", "gdeflate", "lz4", "auto_gpu")
@@ -17,7 +17,8 @@ GPU_ONLY = ("ans", "bitcomp", "gdeflate", "lz4", "auto_gpu")
 
 def test_fixtures_present():
     names = {os.path.basename(f) for f in FILES}
-    assert {"v1_auto_cpu.ckz", "v1_zstd_cpu.ckz", "v1_raw.ckz", "v1_deflate_cpu.ckz"} <= names
+    assert {"v1_auto_cpu.ckz", "v1_zstd_cpu.ckz", "v1_raw.ckz", "v1_deflate_cpu.ckz",
+            "v11_base_cpu.ckz", "v11_incr_cpu.ckz"} <= names
 
 
 def test_expected_digests_match_generator():
@@ -34,7 +35,28 @@ def test_golden_file(path):
             ckptzip.load(path, map_location="cpu")
         return
     back = ckptzip.load(path, map_location="cpu")
-    assert_same(back, golden_object())
+    assert_same(back, golden_object_next() if "_incr" in name else golden_object())
     with ckptzip.open(path) as r:
         assert r.metadata["fixture"] == name[:-4]
         r.verify()
+
+
+def test_v11_pair_uses_the_new_transforms(tmp_path):
+    """The 1.1 fixtures hold derived storages (bf16 and fp16 casts of the weights) and delta
+    storages against their base, recorded by relative path; moved away from the base, the
+    incremental file is a BaseCheckpointError unless base_dir points to it."""
+    import shutil
+    base, incr = os.path.join(HERE, "v11_base_cpu.ckz"), os.path.join(HERE, "v11_incr_cpu.ckz")
+    for p in (base, incr):
+        assert open(p, "rb").read(12)[8:12] == b"\x01\x00\x01\x00"
+    with ckptzip.open(base) as r:
+        ids = [t["id"] for s in r.storages for t in s.get("transforms", [])]
+        assert ids.count("derived") == 2 and r.base is None
+    with ckptzip.open(incr) as r:
+        ids = [t["id"] for s in r.storages for t in s.get("transforms", [])]
+        assert "delta" in ids and r.base["file"] == "v11_base_cpu.ckz" and r.base["depth"] == 1
+    assert ckptzip.base_chain(incr) == [base]
+    shutil.copy(incr, tmp_path / "incr.ckz")
+    with pytest.raises(ckptzip.BaseCheckpointError, match="v11_base_cpu.ckz"):
+        ckptzip.load(tmp_path / "incr.ckz")
+    assert_same(ckptzip.load(tmp_path / "incr.ckz", base_dir=HERE), golden_object_next())

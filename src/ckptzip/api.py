@@ -11,12 +11,14 @@ import torch
 
 from . import __version__  # noqa: F401  (the CLI reads it from here)
 from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, Job, decode_jobs, gpu_decode_window, gpu_ok,
-                     storage_plan_from_manifest)
-from .errors import CorruptFileError, GPURequiredError, ResourceLimitError, TensorNotFoundError
+                     storage_chain)
+from .errors import BaseCheckpointError, CorruptFileError, GPURequiredError, ResourceLimitError, TensorNotFoundError
 from .format import FOOTER_SIZE, HEADER_SIZE, check_header, parse_footer, parse_manifest
 from .pipeline import prepare, write
 from .storage import (FileObjectSource, RemoteSource, is_file_object, is_url, local_path, open_regular,
                       pread_into)
+from .incremental import chain as _chain
+from .incremental import manifest_sha256, open_base
 from .tree import Decoder, tensor_keys
 
 Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
@@ -27,7 +29,8 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
          chunk_size: int = DEFAULT_CHUNK, level: int | None = None, metadata: Mapping[str, str] | None = None,
          allow_pickle: bool = False, fsync: bool = True, progress: Progress | None = None,
          device: str | None = None, portable: bool = False, storage_gbps: float | None = None,
-         window: int | None = None) -> dict[str, Any]:
+         window: int | None = None, base: str | os.PathLike | None = None,
+         derive: bool = True) -> dict[str, Any]:
     """Save ``obj`` (a state dict or any nesting of containers, tensors and plain values) to
     ``path`` (a local path, or an fsspec URL such as ``s3://bucket/key.ckz``).
 
@@ -36,10 +39,19 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
     ``"byteplane"`` or ``None``. ``device``: ``"cpu"``, ``"cuda"`` or None (the GPU when nvCOMP is
     usable). ``portable=True`` keeps to codecs any CPU decodes. ``storage_gbps`` (the write
     bandwidth you expect) steers ``auto`` on the GPU. The write is atomic. Returns a summary
-    ``{"raw_bytes", "stored_bytes", "path"}``.
+    ``{"raw_bytes", "stored_bytes", "path"}`` (plus ``base``, ``xor_storages`` and
+    ``derived_storages`` where format 1.1 references were used).
+
+    ``base``: the local path of an earlier checkpoint of the same state (an *incremental* save):
+    each storage whose tensor has the same key, dtype and size there is stored as ``xor`` against
+    it where a sample shows that this pays. The file records the base by its path relative to
+    this file's directory and its manifest's SHA-256; loading needs the base (see :func:`load`,
+    ``base_dir``/``base_path``). ``derive`` (with ``transform="auto"``): a 16-bit float storage
+    that equals the cast of a float32 storage of the same state (a bf16 copy of master weights)
+    is stored as a reference to it plus the (usually no) differing elements.
     """
     prep = prepare(obj, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
-                    storage_gbps, window)
+                   storage_gbps, window, base=base, target=path, derive=derive)
     return write(prep, path, fsync, progress)
 
 
@@ -105,8 +117,12 @@ class CheckpointReader:
 
     def __init__(self, path: Any, *, map_location: Any = None, allow_pickle: bool = False,
                  progress: Progress | None = None, decode_device: str | None = None,
-                 max_bytes: int | None = None) -> None:
+                 max_bytes: int | None = None, base_dir: Any = None, base_path: Any = None,
+                 _depth: int = 0) -> None:
         self._fd = None
+        self._base = None
+        self._depth = _depth
+        self.base_dir, self.base_path = base_dir, base_path
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool)
                                       or max_bytes < 0):
             raise ValueError("max_bytes must be a non-negative int or None")
@@ -145,6 +161,7 @@ class CheckpointReader:
         raw = bytearray(length)
         pread_into(self._fd, memoryview(raw), off)
         self.manifest = parse_manifest(bytes(raw), digest, off)
+        self.manifest_sha256 = manifest_sha256(raw)
         self.file_size = size
         self._paths: dict[str, Any] | None = None
         self._escaped: dict[str, Any] = {}
@@ -209,11 +226,89 @@ class CheckpointReader:
             dev = torch.device("cpu")  # decoded on the host, then handed to ml(storage, location)
         else:
             dev = _resolve_device(s.get("device", "cpu") if t == "tensor" else "cpu", ml)
-        work = self.decode_device or ("cuda" if dev.type == "cuda" or gpu_ok() else "cpu")
-        tf, codec = storage_plan_from_manifest(s, work)
+        return self._job_into(i, torch.empty(s["nbytes"], dtype=torch.uint8, device=dev))
+
+    def _job_into(self, i: int, out: torch.Tensor) -> Job:
+        """A job that decodes storage ``i`` into ``out``; a reference transform comes back unbound
+        (see :meth:`_fill`)."""
+        s = self.storages[i]
+        work = self.decode_device or ("cuda" if out.device.type == "cuda" or gpu_ok() else "cpu")
+        ref, tf, codec = storage_chain(s, work)
         first, count = s["rows"]
-        out = torch.empty(s["nbytes"], dtype=torch.uint8, device=dev)
-        return Job(self.manifest.rows[first:first + count], tf, codec, out)
+        return Job(self.manifest.rows[first:first + count], tf, codec, out, ref)
+
+    # -- format 1.1 references: bases and derived storages ------------------------------------
+    @property
+    def bases(self) -> list[dict[str, Any]]:
+        """The base records (format 1.1): ``[{"file", "sha256", "size", "depth"}]`` or ``[]``."""
+        return self.manifest.doc.get("bases", [])
+
+    @property
+    def base(self) -> dict[str, Any] | None:
+        """The base record of an incremental checkpoint, or None for a standalone one."""
+        return self.bases[0] if self.bases else None
+
+    def base_reader(self) -> "CheckpointReader":
+        """The reader of this file's base, opened and checked on first use
+        (:class:`~ckptzip.BaseCheckpointError` if it is missing, altered or too deep)."""
+        if self._base is None:
+            if not self.bases:
+                raise BaseCheckpointError(f"{self.path} is not an incremental checkpoint")
+            self._base = open_base(self, self.base_dir, self.base_path)
+        return self._base
+
+    def _fill(self, outs: dict[int, torch.Tensor], prog: Callable[[int], None] | None = None) -> None:
+        """Decode storages ``i`` into the flat uint8 tensors ``outs[i]``, resolving references:
+        storages a ``derived`` one needs are decoded first (into temporaries unless requested),
+        level by level; an ``xor`` storage is first filled with its base storage (decoded by the
+        base's reader straight into the destination), then its residual is applied in place."""
+        need = dict(outs)
+        jobs: dict[int, Job] = {}
+        todo = list(need)
+        while todo:
+            i = todo.pop()
+            if i in jobs:
+                continue
+            jobs[i] = job = self._job_into(i, need[i])
+            if job.ref is not None and job.ref.wire_id == "derived":
+                k = job.ref.storage
+                if k not in need:
+                    need[k] = torch.empty(self.storages[k]["nbytes"], dtype=torch.uint8, device=need[i].device)
+                todo.append(k)
+        level: dict[int, int] = {}
+
+        def lvl(i: int) -> int:  # validate.py refused cycles
+            if i not in level:
+                r = jobs[i].ref
+                level[i] = 1 + lvl(r.storage) if r is not None and r.wire_id == "derived" else 0
+            return level[i]
+        for i in jobs:
+            lvl(i)
+        order = sorted(jobs, key=lambda i: (level[i], i))
+        for L in sorted(set(level.values())):
+            batch = [jobs[i] for i in order if level[i] == L]
+            xors = [j for j in batch if j.ref is not None and j.ref.wire_id in ("xor", "delta")]
+            if xors:
+                base = self.base_reader()
+                first: dict[int, torch.Tensor] = {}
+                for j in xors:
+                    bj = j.ref.storage
+                    if bj >= len(base.storages) or base.storages[bj]["nbytes"] != j.out.numel():
+                        raise BaseCheckpointError(
+                            f"base checkpoint {self.bases[0]['file']!r} of {self.path} has no storage {bj} "
+                            f"of {j.out.numel()} bytes")
+                    first.setdefault(bj, j.out)
+                base._fill(first)
+                for j in xors:
+                    src = first[j.ref.storage]
+                    if src is not j.out:
+                        j.out.copy_(src)
+                    j.ref = j.ref.bind(j.out)  # in place: out holds the base, the residual is applied to it
+            for j in batch:
+                if j.ref is not None and j.ref.wire_id == "derived":
+                    j.ref = j.ref.bind(need[j.ref.storage])
+            gpu = any(j.codec.device == "cuda" for j in batch)
+            decode_jobs(self._fd, batch, gpu_decode_window() if gpu else DEFAULT_WINDOW, prog)
 
     def _mapped(self, i: int, out: torch.Tensor) -> torch.Tensor:
         """torch.load's convention: ``map_location(storage, location)`` gets the storage
@@ -237,9 +332,9 @@ class CheckpointReader:
     def _decode(self, jobs: dict[int, Job], total: int | None = None) -> None:
         total = self._total_bytes() if total is None else total
         prog = (lambda n: self.progress(n, total)) if self.progress else None
-        gpu = any(j.codec.device == "cuda" for j in jobs.values())
-        decode_jobs(self._fd, list(jobs.values()), gpu_decode_window() if gpu else DEFAULT_WINDOW, prog)
-        self._cache.update({i: j.out for i, j in jobs.items()})
+        outs = {i: j.out for i, j in jobs.items()}
+        self._fill(outs, prog)
+        self._cache.update(outs)
 
     def _place(self, kinds: dict[int, str]) -> None:
         """Hand decoded tensor storages to a torch-style ``map_location`` callable."""
@@ -306,6 +401,9 @@ class CheckpointReader:
                 batch, size = {}, 0
 
     def close(self) -> None:
+        if getattr(self, "_base", None) is not None:
+            self._base.close()
+            self._base = None
         if getattr(self, "_fd", None) is None:
             return
         if self._remote:
@@ -335,7 +433,7 @@ def open(path: Any, **kwargs: Any) -> CheckpointReader:  # noqa: A001
 
 def load(path: Any, *, map_location: Any = None, allow_pickle: bool = False,
          progress: Progress | None = None, decode_device: str | None = None,
-         max_bytes: int | None = None) -> Any:
+         max_bytes: int | None = None, base_dir: Any = None, base_path: Any = None) -> Any:
     """Load what :func:`save` wrote from ``path`` (a local path, an fsspec URL, or a binary file
     object with ``read`` and ``seek``, left open). Tensors come back bit-exact, on their saved
     device unless ``map_location`` says otherwise: ``"cpu"``, ``"cuda"``, a ``torch.device``, a
@@ -346,7 +444,22 @@ def load(path: Any, *, map_location: Any = None, allow_pickle: bool = False,
     loads to the CPU on a machine without CUDA; an explicit CUDA ``map_location`` there raises
     :class:`~ckptzip.GPURequiredError`. ``max_bytes`` bounds the decoded bytes (default
     ``max(1 GiB, 4096 x file size)``, see :class:`CheckpointReader`). Pickled objects load only
-    with ``allow_pickle=True``."""
+    with ``allow_pickle=True``.
+
+    An incremental checkpoint (saved with ``base=``) loads its chain of bases bit-exact: each base
+    is found at the path recorded relative to the file, or given explicitly: ``base_path`` (the
+    immediate base) or ``base_dir`` (a directory holding the bases by file name, for the whole
+    chain). A missing, altered or replaced base raises :class:`~ckptzip.BaseCheckpointError`
+    naming it."""
     with CheckpointReader(path, map_location=map_location, allow_pickle=allow_pickle,
-                          progress=progress, decode_device=decode_device, max_bytes=max_bytes) as r:
+                          progress=progress, decode_device=decode_device, max_bytes=max_bytes,
+                          base_dir=base_dir, base_path=base_path) as r:
         return r.load()
+
+
+def base_chain(path: Any, *, base_dir: Any = None) -> list[str]:
+    """The bases an incremental checkpoint needs, nearest first (``[]`` for a standalone file):
+    the paths where they were found, each checked against its record (size, manifest SHA-256,
+    chain depth). Raises :class:`~ckptzip.BaseCheckpointError` naming a missing or altered base.
+    A checkpoint directory must keep every file in the chain of a file it keeps."""
+    return _chain(path, base_dir)

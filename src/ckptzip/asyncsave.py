@@ -285,7 +285,12 @@ def _snapshot(prep, gpu_bytes: int | None, arena: Arena) -> list:
                 staged.append((host, rel, per_unit))
         else:
             for u in grp:
-                u.data = arena.take(u.data.numel()).copy_(u.data)
+                # a reference transform (derived copy, delta against a base) reads another
+                # storage: take its residual now, while every tensor is as at the call
+                d = u.data
+                if u.plan.ref is not None and d.numel():
+                    d, u.resolved = u.plan.ref.encode(d, start=u.start), True
+                u.data = arena.take(d.numel()).copy_(d)
             staged.append(None)
     for ev in inflight:
         ev.synchronize()

@@ -52,6 +52,13 @@ class NotARegularFileError(CkptzipError):
     """The checkpoint path names a directory, FIFO, socket or device, not a regular file."""
 
 
+class BaseCheckpointError(CkptzipError):
+    """An incremental checkpoint's base (format 1.1 ``bases``) is missing, was altered or replaced
+    (its manifest hash or size differs from the record), or the chain of bases is too deep or
+    inconsistent. The message names the base as recorded and where it was looked for; pass
+    ``base_dir=`` or ``base_path=`` to ``load``/``open`` for a moved base."""
+
+
 class TensorNotFoundError(CkptzipError, KeyError):
     """The lazy reader was asked for a key that the checkpoint does not hold."""
 
@@ -70,4 +77,5 @@ __all__ = [
     "TensorNotFoundError",
     "ResourceLimitError",
     "NotARegularFileError",
+    "BaseCheckpointError",
 ]

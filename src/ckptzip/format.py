@@ -19,7 +19,9 @@ from .validate import MAX_DEPTH, load_document, validate_document
 
 MAGIC = b"CKPTZIP\x00"
 FOOTER_MAGIC = b"CKZ1END\x00"
-VERSION = (1, 0)
+#: the newest version this code writes (and reads: every 1.x); files that use no 1.1 feature
+#: (``xor``/``derived`` transforms, ``bases``) are written as 1.0 so that 1.0 readers load them
+VERSION = (1, 1)
 HEADER = struct.Struct("<8sHHI")          # magic, major, minor, flags
 FOOTER = struct.Struct("<QQQ8s")          # manifest offset, manifest length, xxh3-64, magic
 HEADER_SIZE, FOOTER_SIZE = HEADER.size, FOOTER.size   # 16, 32
@@ -36,8 +38,8 @@ def checksum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def pack_header() -> bytes:
-    return HEADER.pack(MAGIC, VERSION[0], VERSION[1], 0)
+def pack_header(minor: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION[0], minor, 0)
 
 
 def pack_manifest(doc: dict[str, Any], rows: np.ndarray) -> bytes:

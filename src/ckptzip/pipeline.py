@@ -33,10 +33,15 @@ class SaveJob:
     plans: list
     groups: list
     total: int
+    bases: list | None = None  # format 1.1 base records (incremental saves)
 
 
 def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
-             storage_gbps, window, reuse_plan: bool = False) -> SaveJob:
+             storage_gbps, window, reuse_plan: bool = False, base=None, target=None,
+             derive: bool = True) -> SaveJob:
+    """Plan a save. ``base`` (a local path): store storages as ``xor`` against the same storage of
+    that checkpoint where it pays (``target`` is the new file's path, for the relative record);
+    ``derive``: store 16-bit copies of float32 storages as ``derived`` (format 1.1)."""
     if not isinstance(chunk_size, int) or not 64 <= chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk_size must be between 64 and {MAX_CHUNK} bytes")
     if transform not in ("auto", "byteplane", None):
@@ -49,18 +54,31 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
     planner = Planner(codec, transform, chunk_size, level, device, portable, storage_gbps)
     if window is None:
         window = gpu_window() if planner.dev == "cuda" else DEFAULT_WINDOW
-    plans = planner.plan_all(enc.storages, window, reuse_plan)
+    ref_tfs: dict = {}
+    if derive and transform == "auto":
+        from .engine.refplan import find_derived
+        ref_tfs.update(find_derived(enc.storages))
+    bases = None
+    if base is not None:
+        from .api import CheckpointReader
+        from .incremental import delta_candidates, record_for
+        base = os.fspath(base)
+        with CheckpointReader(base) as br:
+            bases = [record_for(br, base, target)]
+            ref_tfs.update(delta_candidates(root, enc.storages, br, skip=set(ref_tfs)))
+    plans = planner.plan_all(enc.storages, window, reuse_plan, ref_tfs)
     units = [u for i, (ref, plan) in enumerate(zip(enc.storages, plans))
              for u in units_of(i, ref.data, plan, window)]
     return SaveJob(root, meta, enc.storages, plans, list(groups(units, window)),
-                     sum(r.data.numel() for r in enc.storages))
+                   sum(r.data.numel() for r in enc.storages), bases)
 
 
 def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: list | None = None) -> dict:
     """Encode (or take the ``staged`` snapshot of) every group and write the file atomically."""
     counts = [0] * len(prep.plans)
     with open_for_write(path, fsync=fsync) as f:
-        f.write(pack_header())
+        v11 = bool(prep.bases) or any(p.ref is not None for p in prep.plans)
+        f.write(pack_header(1 if v11 else 0))
         w = ChunkWriter(f, HEADER_SIZE)
         try:
             for gi, grp in enumerate(prep.groups):
@@ -84,20 +102,30 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
         for ref, plan, count in zip(prep.refs, prep.plans, counts):
             entries.append({
                 "nbytes": ref.data.numel(), "elem": ref.elem, "device": ref.device,
-                "transforms": [plan.transform.get_config()] if plan.transform else [],
+                "transforms": ([plan.ref.get_config()] if plan.ref is not None else [])
+                + ([plan.transform.get_config()] if plan.transform else []),
                 "codec": plan.codec.get_config(), "rows": [first, count],
             })
             if plan.choice:
                 entries[-1]["choice"] = plan.choice
             first += count
         pos = w.pos
-        doc = {"format": "ckz", "version": [1, 0], "created_by": f"ckptzip {__version__}",
+        doc = {"format": "ckz", "version": [1, 1 if v11 else 0], "created_by": f"ckptzip {__version__}",
                "meta": prep.meta, "n_chunks": len(rows), "storages": entries, "root": prep.root}
+        if prep.bases:
+            doc["bases"] = prep.bases
         manifest = pack_manifest(doc, rows)
         f.write(manifest)
         f.write(pack_footer(pos, manifest))
         size = pos + len(manifest) + FOOTER_SIZE
     name = getattr(path, "name", "<file object>") if hasattr(path, "write") else os.fspath(path)
-    return {"path": name, "raw_bytes": prep.total, "stored_bytes": size}
+    out = {"path": name, "raw_bytes": prep.total, "stored_bytes": size}
+    if prep.bases:
+        out["base"] = prep.bases[0]["file"]
+    refs = [p.ref.wire_id for p in prep.plans if p.ref is not None]
+    if refs:
+        out["delta_storages"] = len(refs) - refs.count("derived")  # xor or delta against the base
+        out["derived_storages"] = refs.count("derived")
+    return out
 
 

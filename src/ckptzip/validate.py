@@ -27,6 +27,13 @@ MAX_INT_DIGITS = 1_000_000
 DEVICE_RE = re.compile(r"(cpu|cuda(:[0-9]{1,4})?)\Z")
 _INT_RE = re.compile(r"-?[0-9]+\Z")
 _FLOAT_RE = re.compile(r"[0-9a-fA-F]{16}\Z")
+_SHA_RE = re.compile(r"[0-9a-f]{64}\Z")
+#: transform ids that refer to another storage (format 1.1) and those this reader implements
+REF_TRANSFORMS = frozenset({"xor", "delta", "derived"})
+KNOWN_TRANSFORMS = frozenset({"byteplane", "xor", "delta", "derived"})
+#: at most this many bases per file (1.1 writers write one) and this many files in a chain
+MAX_BASES = 1
+MAX_CHAIN = 64
 NODE_TYPES = frozenset({"int", "float", "bytes", "bytearray", "list", "tuple", "dict", "odict", "size",
                         "dtype", "device", "tensor", "ndarray", "npscalar", "pickle"})
 
@@ -116,9 +123,11 @@ def validate_document(doc: dict[str, Any], n_chunks: int) -> int:
     storages = doc.get("storages")
     if not isinstance(storages, list):
         raise _bad("storages")
+    n_bases = _bases(doc)
     total = 0
     for i, s in enumerate(storages):
         total += _storage(i, s)
+    _refs(storages, n_bases)
     if "root" not in doc:
         raise _bad("root")
     _Tree(len(storages)).node(doc["root"], 0)
@@ -152,17 +161,72 @@ def _storage(i: int, s: Any) -> int:
     tfs = s.get("transforms", [])
     if not isinstance(tfs, list):
         raise _bad(f"storage {i} transforms")
-    if len(tfs) > 1:
-        raise CorruptFileError("format v1 readers decode chains of at most one transform")
-    for tf in tfs:
+    if len(tfs) > 2:
+        raise CorruptFileError("transform chains have at most two elements (format 1.1)")
+    for k, tf in enumerate(tfs):
         if not isinstance(tf, dict) or not isinstance(tf.get("id"), str):
             raise _bad(f"storage {i} transform")
-        if tf["id"] == "byteplane":
+        if tf["id"] in REF_TRANSFORMS and k != 0:
+            raise _bad(f"storage {i}: {tf['id']} may only be the first transform of a chain")
+        if len(tfs) == 2 and k == 0 and tf["id"] not in REF_TRANSFORMS and tf["id"] in KNOWN_TRANSFORMS:
+            raise _bad(f"storage {i}: a chain of two starts with a reference transform (xor, derived)")
+        if tf["id"] in KNOWN_TRANSFORMS:
             from .transforms import get_transform
-            bp = get_transform(tf)
-            if not bp.accepts(nb):
-                raise CorruptFileError("storage size is not a multiple of its byteplane width")
+            t = get_transform(tf)
+            if not t.accepts(nb):
+                raise CorruptFileError(f"storage size is not a multiple of its {tf['id']} width")
     return nb
+
+
+def _bases(doc: dict[str, Any]) -> int:
+    """Check the ``bases`` records (format 1.1); return how many there are."""
+    bases = doc.get("bases", [])
+    if not isinstance(bases, list) or len(bases) > MAX_BASES:
+        raise _bad(f"bases must be a list of at most {MAX_BASES} records")
+    for k, b in enumerate(bases):
+        if not isinstance(b, dict) or set(b) != {"file", "sha256", "size", "depth"}:
+            raise _bad(f"base {k} must have exactly file, sha256, size and depth")
+        f = b["file"]
+        if (not isinstance(f, str) or not f or len(f) > 4096 or "\0" in f or "\\" in f
+                or f.startswith("/") or ":" in f.split("/")[0]):
+            raise _bad(f"base {k} file {str(f)[:80]!r} (a relative '/'-separated path)")
+        if not isinstance(b["sha256"], str) or not _SHA_RE.match(b["sha256"]):
+            raise _bad(f"base {k} sha256 (64 lowercase hex digits)")
+        if not _is_int(b["size"]) or b["size"] < 0:
+            raise _bad(f"base {k} size")
+        if not _is_int(b["depth"]) or not 1 <= b["depth"] <= MAX_CHAIN:
+            raise _bad(f"base {k} depth must be 1..{MAX_CHAIN} (the longest chain of bases a reader follows)")
+    return len(bases)
+
+
+def _refs(storages: list, n_bases: int) -> None:
+    """Reference fields of ``xor``/``derived`` (format 1.1): in range, sizes that match, and no
+    cycle among ``derived`` storages (a storage is decoded after the storage it derives from)."""
+    deps: dict[int, int] = {}
+    for i, s in enumerate(storages):
+        tfs = s.get("transforms", [])
+        if not tfs or tfs[0]["id"] not in REF_TRANSFORMS:
+            continue
+        from .transforms import get_transform
+        t = get_transform(tfs[0])  # option names and integer fields checked there
+        if t.wire_id in ("xor", "delta"):
+            if t.base >= n_bases:
+                raise _bad(f"storage {i}: {t.wire_id} refers to base {t.base}, which does not exist")
+        else:
+            k = t.storage
+            if k >= len(storages) or k == i:
+                raise _bad(f"storage {i}: derived refers to storage {k}, which does not exist or is itself")
+            if storages[k]["nbytes"] != t.ref_nbytes(s["nbytes"]):
+                raise _bad(f"storage {i}: derived source {k} has {storages[k]['nbytes']} bytes, "
+                           f"expected {t.ref_nbytes(s['nbytes'])}")
+            deps[i] = k
+    for i in deps:  # every walk ends within len(deps) steps unless it cycles
+        j, steps = i, 0
+        while j in deps:
+            j = deps[j]
+            steps += 1
+            if steps > len(deps):
+                raise _bad(f"storage {i}: derived references form a cycle")
 
 
 class _Tree:

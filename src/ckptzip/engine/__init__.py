@@ -10,7 +10,8 @@ The engine knows nothing about files: :mod:`ckptzip.io` places chunks in a ``.ck
 reads them back, :mod:`ckptzip.pipeline` runs the save stages, and integrations (a DCP storage
 writer, say) call the same pipeline for their own files.
 """
-from .decode import Job, batches, decode_group, decode_jobs, storage_plan_from_manifest
+from .decode import (Job, batches, decode_group, decode_jobs, storage_chain,
+                     storage_plan_from_manifest)
 from .encode import Encoded, encode_group_arrays, gather_gpu, pack, stage_encoded
 from .memory import ALIGN, PINNED, PinnedPool, ceil_align, copy_segments
 from .plan import (DEFAULT_CHUNK, DEFAULT_WINDOW, Plan, Unit, codec_key, gpu_decode_window, gpu_window,
@@ -18,7 +19,7 @@ from .plan import (DEFAULT_CHUNK, DEFAULT_WINDOW, Plan, Unit, codec_key, gpu_dec
 from .planner import Planner, gpu_ok
 
 __all__ = [
-    "Job", "batches", "decode_group", "decode_jobs", "storage_plan_from_manifest",
+    "Job", "batches", "decode_group", "decode_jobs", "storage_chain", "storage_plan_from_manifest",
     "Encoded", "encode_group_arrays", "gather_gpu", "pack", "stage_encoded",
     "ALIGN", "PINNED", "PinnedPool", "ceil_align", "copy_segments",
     "DEFAULT_CHUNK", "DEFAULT_WINDOW", "Plan", "Unit", "codec_key", "gpu_decode_window", "gpu_window",

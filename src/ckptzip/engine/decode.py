@@ -17,7 +17,7 @@ from ..codecs.cpu import _pmap
 from ..errors import CorruptFileError
 from ..format import FLAG_STORED_RAW
 from ..io.reader import read_stored
-from ..transforms import Transform, get_transform
+from ..transforms import RefTransform, Transform, get_transform
 from .memory import PINNED, copy_segments
 from .plan import DEFAULT_WINDOW, codec_key
 
@@ -26,14 +26,33 @@ from .plan import DEFAULT_WINDOW, codec_key
 CPU_GROUP = 16 << 20
 
 
-def storage_plan_from_manifest(s: dict[str, Any], device: str) -> tuple[Transform | None, Codec]:
+def storage_chain(s: dict[str, Any], device: str) -> tuple[RefTransform | None, Transform | None, Codec]:
+    """A storage's transform chain and codec: ``(reference transform or None, byteplane or None,
+    codec)``. Format 1.1 chains have at most two elements, a reference transform (``xor``,
+    ``derived``) only first; the reference transform comes back unbound."""
     tfs = s.get("transforms", [])
-    if len(tfs) > 1:
-        raise CorruptFileError("format v1 readers decode chains of at most one transform")
-    tf = get_transform(tfs[0]) if tfs else None
-    if tf is not None and not tf.accepts(s["nbytes"]):
-        raise CorruptFileError("storage size is not a multiple of its byteplane width")
-    return tf, get_codec(s["codec"], device)
+    if len(tfs) > 2:
+        raise CorruptFileError("transform chains have at most two elements (format 1.1)")
+    parsed = [get_transform(t) for t in tfs]
+    ref = parsed[0] if parsed and isinstance(parsed[0], RefTransform) else None
+    rest = parsed[1:] if ref is not None else parsed
+    if len(rest) > 1 or any(isinstance(t, RefTransform) for t in rest):
+        raise CorruptFileError("a reference transform (xor, derived) may only be the first of a chain "
+                               "of at most two")
+    tf = rest[0] if rest else None
+    for t in parsed:
+        if not t.accepts(s["nbytes"]):
+            raise CorruptFileError(f"storage size is not a multiple of its {t.wire_id} width")
+    return ref, tf, get_codec(s["codec"], device)
+
+
+def storage_plan_from_manifest(s: dict[str, Any], device: str) -> tuple[Transform | None, Codec]:
+    """``(transform, codec)`` of a storage without a reference transform (see :func:`storage_chain`)."""
+    ref, tf, codec = storage_chain(s, device)
+    if ref is not None:
+        raise CorruptFileError(f"storage refers to another storage ({ref.wire_id}); decode it with "
+                               f"its reference")
+    return tf, codec
 
 
 def batches(rows: np.ndarray, nbytes: int, tf: Transform | None, window: int
@@ -63,6 +82,8 @@ class Job:
     tf: Transform | None
     codec: Codec
     out: torch.Tensor
+    #: a bound reference transform undone last (``xor``: ``out`` already holds the base storage)
+    ref: RefTransform | None = None
 
 
 def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
@@ -144,7 +165,8 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     raws = rows["raw"].astype(np.int64)
     soffs = np.asarray(soffs, dtype=np.int64)
     total = int(raws.sum())
-    direct = len(grp) == 1 and grp[0][0].tf is None and grp[0][0].out.device.type == work
+    direct = (len(grp) == 1 and grp[0][0].tf is None and grp[0][0].ref is None
+              and grp[0][0].out.device.type == work)
     stream = grp[0][0].out[grp[0][3]:grp[0][4]] if direct else torch.empty(total, dtype=torch.uint8, device=work)
     roffs = np.zeros(len(raws), dtype=np.int64)
     np.cumsum(raws[:-1], out=roffs[1:])
@@ -166,14 +188,20 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
             codec.decode(src, cols[0], cols[1], stream, cols[2], cols[3])
     if direct:
         return
-    if work == "cpu" and all(job.out.device.type == "cpu" for job, *_ in grp):
+    if work == "cpu" and all(job.out.device.type == "cpu" and job.ref is None for job, *_ in grp):
         _cpu_untransform(stream, grp)
         return
     pos = 0
     for job, i, j, a, b in grp:
         part = stream[pos:pos + (b - a)]
         dst = job.out[a:b]
-        if job.tf is not None:
+        if job.ref is not None:
+            if job.tf is not None:
+                tmp = torch.empty_like(part)
+                job.tf.decode(part, tmp)
+                part = tmp
+            job.ref.decode(part, dst, start=a)
+        elif job.tf is not None:
             if dst.device.type == work:
                 job.tf.decode(part, dst)
             else:

@@ -56,23 +56,27 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
     dev = units[0].plan.codec.device
     # each unit starts 16-byte aligned in the group stream, so nvCOMP reads chunks in place
     total = sum(ceil_align(u.data.numel()) for u in units)
-    single = len(units) == 1 and units[0].plan.transform is None and units[0].data.device.type == dev
-    stream = units[0].data if single else torch.empty(total, dtype=torch.uint8, device=dev)
+    # a reference transform (xor/derived, format 1.1) first turns the unit into its residual, on
+    # the storage's device (one elementwise op per window)
+    datas = [u.plan.ref.encode(u.data, start=u.start) if u.plan.ref is not None and not u.resolved
+             and u.data.numel() else u.data for u in units]
+    single = len(units) == 1 and units[0].plan.transform is None and datas[0].device.type == dev
+    stream = datas[0] if single else torch.empty(total, dtype=torch.uint8, device=dev)
     staged = None
     pos = 0
     copies: tuple[list, list] = ([], [])  # plain same-device copies, done in one batched call
     cpu_tf: list = []  # CPU transforms, run by the CPU pool's threads after the loop
-    for u in units:
-        n = u.data.numel()
+    for u, data in zip(units, datas):
+        n = data.numel()
         u.base = pos
         if not single and n:
-            if u.data.device.type != dev and dev == "cuda":
+            if data.device.type != dev and dev == "cuda":
                 if staged is None:
                     staged = PINNED.acquire(total)
-                staged[pos:pos + n].copy_(u.data)
+                staged[pos:pos + n].copy_(data)
                 _upload(staged[pos:pos + n], stream[pos:pos + n], u.plan.transform)
             else:
-                src = u.data if u.data.device.type == dev else u.data.to(dev)
+                src = data if data.device.type == dev else data.to(dev)
                 if u.plan.transform is not None and dev == "cpu":
                     cpu_tf.append((u.plan.transform, src, stream[pos:pos + n]))
                 elif u.plan.transform is not None:

@@ -30,6 +30,9 @@ class Plan:
     choice: str | None = None
     raw_planes: frozenset = frozenset()
     plane_chunks: dict = None  # plane index -> chunk size, where it differs from chunk_size
+    #: a bound reference transform (``xor``/``derived``) applied before ``transform`` (format 1.1)
+    ref: Transform | None = None
+    est: float | None = None  # sampled stored bytes per input byte (planner bookkeeping)
 
 
 def gpu_decode_window(budget: int | None = None) -> int:
@@ -103,11 +106,14 @@ class Unit:
     sizes: list
     planes: list
     base: int = 0
+    start: int = 0  # byte offset of ``data`` within its storage
+    resolved: bool = False  # ``data`` already holds the residual of the plan's reference transform
 
 
 def units_of(owner: int, data: torch.Tensor, plan: Plan, window: int, limit: int | None = None) -> list[Unit]:
     n = data.numel() if limit is None else min(limit, data.numel())
-    return [Unit(owner, data if a == 0 and b == data.numel() else data[a:b], plan, offs, sizes, planes)
+    return [Unit(owner, data if a == 0 and b == data.numel() else data[a:b], plan, offs, sizes, planes,
+                 start=a)
             for a, b, offs, sizes, planes in windows(n, plan.transform, plan.chunk_size, window, plan.plane_chunks)]
 
 

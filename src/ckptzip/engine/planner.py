@@ -19,6 +19,7 @@ from ..codecs.base import MAX_CHUNK, Codec, get_codec
 from ..errors import UnknownCodecError
 from ..transforms import BytePlane
 from ..tree import StorageRef
+from . import refplan
 from .encode import encode_group_arrays
 from .plan import DEFAULT_CHUNK, Plan, Unit, groups, units_of
 
@@ -156,11 +157,14 @@ class Planner:
             variants["words"] = Plan(None, self.codec({"id": "ans", "data_type": word}), chunk)
         return plan, variants
 
-    def plan_all(self, refs: list[StorageRef], window: int, reuse: bool = False) -> list[Plan]:
+    def plan_all(self, refs: list[StorageRef], window: int, reuse: bool = False,
+                 ref_tfs: dict | None = None) -> list[Plan]:
         """Plans for every storage. With ``reuse``, the sampled decisions are remembered for the
         same checkpoint layout and options (a training loop saves the same structure again and
         again, with slowly changing statistics), so only the first save of a run pays for
         sampling."""
+        if ref_tfs:  # bound to this state's tensors (format 1.1 references): never cached
+            return self._plan_all(refs, window, ref_tfs)
         if not reuse:
             return self._plan_all(refs, window)
         key = (repr(sorted(self.cfg.items())), self.transform, self.chunk_size, self.level, self.dev,
@@ -176,10 +180,16 @@ class Planner:
             _PLAN_CACHE.popitem(last=False)
         return plans
 
-    def _plan_all(self, refs: list[StorageRef], window: int) -> list[Plan]:
+    def _plan_all(self, refs: list[StorageRef], window: int, ref_tfs: dict | None = None) -> list[Plan]:
         plans, variants = [], []
-        for ref in refs:
+        for i, ref in enumerate(refs):
             p, v = self.base_plan(ref)
+            rt = (ref_tfs or {}).get(i)
+            if rt is not None and p.codec.wire_id != "raw":  # format 1.1 references (refplan.py)
+                if rt.wire_id == "derived":
+                    p, v = refplan.derived_plan(p, rt), {}
+                else:
+                    v = refplan.ref_variant(p, v, rt)
             plans.append(p)
             variants.append(v)
         # sample every variant of every storage, all in a few batched codec calls
@@ -202,8 +212,11 @@ class Planner:
                 k += c
             del enc  # free this group's GPU buffers before the next is encoded
         for i, (ref, var) in enumerate(zip(refs, variants)):
-            if var:
+            if "planes" in var:
                 plans[i] = self._decide(ref, plans[i], var, stored, i)
+            if "ref" in var:
+                plans[i] = refplan.choose_ref(plans[i], var, stored, i, min(ref.data.numel(), self.sample),
+                                              RAW_PLANE_RATIO)
         return plans
 
     def _decide(self, ref: StorageRef, plan: Plan, var: dict, stored: dict, i: int) -> Plan:
@@ -220,9 +233,11 @@ class Planner:
                     plan.plane_chunks = {top: ec}
                     st[top] = got[top]
         planes_bytes = sum(min(x, per_plane) for x in st)
+        plan.est = planes_bytes
         if "words" not in var:
             return plan
         words_bytes = stored[(i, "words")][0]
+        var["words"].est = words_bytes
         best = var["words"] if words_bytes < planes_bytes else plan
         best.choice = (f"ans/{'words' if best is not plan else 'planes'}: sample {planes_bytes / sample:.3f} "
                        f"planes (raw planes {sorted(plan.raw_planes)}, chunks {plan.plane_chunks or {}}) "

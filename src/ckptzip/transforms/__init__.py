@@ -1,6 +1,7 @@
 """The transform layer: one interface (:class:`Transform`), a registry keyed by wire id, and the
-implementations (``byteplane`` today)."""
+implementations (``byteplane``; ``xor`` and ``derived``, which refer to another storage)."""
 from .base import RESERVED, Transform, get_transform, register, registered
 from .byteplane import BytePlane
+from .refs import Delta, Derived, RefTransform, Xor
 
-__all__ = ["Transform", "BytePlane", "get_transform", "register", "registered", "RESERVED"]
+__all__ = ["Transform", "BytePlane", "RefTransform", "Xor", "Delta", "Derived", "get_transform", "register", "registered", "RESERVED"]

@@ -19,9 +19,9 @@ import torch
 
 from ..errors import UnknownCodecError
 
-#: transform ids that format v1 reserves for later versions (delta against another tensor of this
-#: file or of a base checkpoint, XOR against a base); a v1 reader names them in its error
-RESERVED = ("delta", "xor", "derived")
+#: transform ids a format version reserves for later ones (a reader names them in its error); the
+#: ids v1.0 reserved (``delta``, ``xor``, ``derived``) are defined by v1.1
+RESERVED: tuple[str, ...] = ()
 
 
 class Transform(abc.ABC):

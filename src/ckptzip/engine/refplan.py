@@ -1,0 +1,129 @@
+"""Reference transforms at save time (format 1.1): which storages are ``derived`` (a cast of another
+storage of the same state) and which are stored as ``delta``/``xor`` against a base checkpoint.
+
+* :func:`find_derived` is exact and hash-free: 16-bit storages are matched with float32 storages of
+  the same element count by casting a few sampled elements of every candidate (one batched
+  comparison per shape, on the storages' device), then the best candidate is verified on every
+  element; the mismatches (exceptions) are counted on the device and fetched in one sync per
+  shape. A storage whose copy differs in at most :data:`MAX_EXCEPTIONS` of its elements is
+  derived: its residual (mostly zero words) costs almost nothing.
+* :func:`ref_variant` / :func:`choose_ref` let the planner sample a storage with and without
+  ``delta`` (or ``xor``) against its base storage and keep it only where the sampled stored size
+  shrinks by at least :data:`REF_MARGIN`.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..transforms.refs import Derived, RefTransform, cast16
+from ..tree import StorageRef
+from .plan import Plan
+
+#: a derived storage may differ from the cast of its source in at most this share of elements
+MAX_EXCEPTIONS = 1 / 16
+#: sampled elements per candidate pair
+PROBE = 64
+#: delta/xor is kept when the sampled stored size is below (1 - REF_MARGIN) x the size without it
+REF_MARGIN = 0.02
+#: full verification in slices of this many elements (bounds temporary memory)
+VERIFY_SLICE = 1 << 24
+_TO = {"bfloat16": "bfloat16", "float16": "float16"}
+
+
+def _probe_idx(n: int, device: torch.device) -> torch.Tensor:
+    k = min(n, PROBE)
+    return torch.arange(k, dtype=torch.int64, device=device) * (n - 1) // max(k - 1, 1)  # exact, in range
+
+
+def _mismatches(tgt: torch.Tensor, src: torch.Tensor, to: str) -> torch.Tensor:
+    """Number of 16-bit words of ``tgt`` (flat uint8) that differ from the cast of ``src``."""
+    t16 = tgt.view(torch.int16)
+    n = t16.numel()
+    count = torch.zeros((), dtype=torch.int64, device=tgt.device)
+    for a in range(0, n, VERIFY_SLICE):
+        b = min(n, a + VERIFY_SLICE)
+        count += (t16[a:b] != cast16(src[4 * a:4 * b], to)).sum()
+    return count
+
+
+def find_derived(refs: list[StorageRef]) -> dict[int, Derived]:
+    """Storage index -> bound ``derived`` transform, for every 16-bit float storage that is a cast
+    of a float32 storage of the same state (up to :data:`MAX_EXCEPTIONS`)."""
+    targets: dict[tuple, list[int]] = {}
+    sources: dict[tuple, list[int]] = {}
+    for i, r in enumerate(refs):
+        n = r.data.numel()
+        if r.elem in _TO and n and n % 2 == 0:
+            targets.setdefault((r.data.device, n // 2), []).append(i)
+        elif r.elem == "float32" and n and n % 4 == 0:
+            sources.setdefault((r.data.device, n // 4), []).append(i)
+    found: dict[int, Derived] = {}
+    pending: list[tuple[int, int, str, torch.Tensor]] = []
+    for key, ts in targets.items():
+        ss = sources.get(key)
+        if not ss:
+            continue
+        dev, n = key
+        idx = _probe_idx(n, dev)
+        src = torch.stack([refs[s].data.view(torch.float32)[idx] for s in ss])  # [S, k]
+        tgt = torch.stack([refs[t].data.view(torch.int16)[idx] for t in ts])     # [T, k]
+        for to in ("bfloat16", "float16"):
+            sel = [j for j, t in enumerate(ts) if refs[t].elem == to]
+            if not sel:
+                continue
+            pred = cast16(src.contiguous().view(-1).view(torch.uint8), to).view(len(ss), -1)
+            score = (tgt[sel][:, None, :] == pred[None, :, :]).sum(-1)               # [T', S]
+            best, arg = score.max(dim=1)
+            for j, b, a in zip(sel, best.tolist(), arg.tolist()):  # one sync per shape and dtype
+                if b >= (1 - MAX_EXCEPTIONS) * idx.numel():
+                    t, s = ts[j], ss[a]
+                    pending.append((t, s, to, _mismatches(refs[t].data, refs[s].data, to)))
+    by_dev: dict[torch.device, list] = {}
+    for p in pending:
+        by_dev.setdefault(p[3].device, []).append(p)
+    for items in by_dev.values():
+        counts = torch.stack([p[3] for p in items]).tolist()  # one sync per device
+        for (t, s, to, _), c in zip(items, counts):
+            if c <= MAX_EXCEPTIONS * (refs[t].data.numel() // 2):
+                found[t] = Derived(s, "float32", to).bind(refs[s].data)
+    return found
+
+
+def derived_plan(plan: Plan, ref: Derived) -> Plan:
+    """The plan of a derived storage: its residual (nearly all zero) goes to the codec as bytes."""
+    return Plan(None, plan.codec, plan.chunk_size, choice=f"derived from storage {ref.storage} "
+                f"({ref.src} -> {ref.to})", ref=ref)
+
+
+def ref_variant(plan: Plan, variants: dict[str, Plan], ref: RefTransform) -> dict[str, Plan]:
+    """The variants to sample for a storage that has a base storage: the plain plan (when the
+    planner would not sample it otherwise) and the same layout with ``ref`` first."""
+    out = dict(variants) if variants else {"plain": plan}
+    like = variants.get("planes", plan) if variants else plan
+    out["ref"] = Plan(like.transform, like.codec, like.chunk_size, ref=ref)
+    return out
+
+
+def choose_ref(plan: Plan, var: dict[str, Plan], stored: dict, i: int, sample: int,
+               raw_plane_ratio: float) -> Plan:
+    """Keep the reference transform where its sampled stored size beats the plan chosen without it."""
+    if "plain" in var:
+        base = float(sum(stored[(i, "plain")]))
+    else:
+        base = plan.est if plan.est is not None else float(sample)
+    x = var["ref"]
+    st = stored[(i, "ref")]
+    if x.transform is not None:
+        per_plane = sample // x.transform.width
+        st = st[: x.transform.width]
+        x.raw_planes = frozenset(p for p in range(len(st)) if st[p] > raw_plane_ratio * per_plane)
+        est = float(sum(min(v, per_plane) for v in st))
+    else:
+        est = float(sum(st))
+    if est < (1 - REF_MARGIN) * base:
+        x.choice = f"{x.ref.wire_id}: sample {est / sample:.3f} vs {base / sample:.3f} without"
+        x.est = est
+        return x
+    plan.choice = (plan.choice + "; " if plan.choice else "") + \
+        f"no {x.ref.wire_id}: sample {est / sample:.3f} vs {base / sample:.3f}"
+    return plan

@@ -1,0 +1,155 @@
+"""Incremental checkpoints (format 1.1): the base record, finding a base on load, and matching a new
+state's storages with its base's storages at save time.
+
+A file saved with ``base=`` records ``bases: [{"file", "sha256", "size", "depth"}]``: the base's
+path relative to the new file's directory ('/'-separated), the SHA-256 of the base's manifest
+bytes (the ``L`` bytes the footer locates: the JSON document *and* the chunk table with the
+XXH3-64 of every chunk), the base's file size, and the chain depth (1 for a standalone base).
+Hashing the manifest instead of the whole file costs microseconds instead of a full read, and
+binds the data as well as a whole-file hash does against accidental change: any change of a
+chunk's bytes either changes its table checksum (then the manifest, hence the SHA-256, differs)
+or leaves a chunk that fails its XXH3 check when it is read (ChecksumError). Only a deliberate
+XXH3 collision could slip through, and an attacker who can write the base can as well rewrite
+the incremental file itself.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+from typing import Any
+
+import torch
+
+from .errors import BaseCheckpointError
+from .storage import is_url
+from .transforms.refs import Delta, Xor
+from .tree import StorageRef, tensor_keys
+from .validate import MAX_CHAIN
+
+
+def manifest_sha256(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+def record_for(base_reader: Any, base_path: str, target: Any) -> dict[str, Any]:
+    """The ``bases`` record of a file written at ``target`` against ``base_reader``."""
+    if not isinstance(target, (str, os.PathLike)) or is_url(os.fspath(target)) or is_url(base_path):
+        raise ValueError("incremental saves (base=) need local paths for the file and its base")
+    if os.path.abspath(os.fspath(target)) == os.path.abspath(base_path):
+        raise ValueError(f"a checkpoint cannot be its own base ({base_path}); save to a new path")
+    tdir = os.path.dirname(os.path.abspath(os.fspath(target)))
+    rel = os.path.relpath(os.path.abspath(base_path), tdir).replace(os.sep, "/")
+    depth = 1 + (base_reader.bases[0]["depth"] if base_reader.bases else 0)
+    if depth > MAX_CHAIN:
+        raise BaseCheckpointError(f"base {base_path} is already at the end of a chain of "
+                                  f"{depth - 1} bases; at most {MAX_CHAIN} are followed: save a full "
+                                  f"checkpoint (no base=)")
+    return {"file": rel, "sha256": base_reader.manifest_sha256, "size": base_reader.file_size,
+            "depth": depth}
+
+
+def base_location(path: str, record: dict[str, Any], base_dir: Any = None,
+                  base_path: Any = None) -> str:
+    """Where to look for the base a file at ``path`` records: ``base_path`` when given; else the
+    recorded relative path next to the file; else, when that does not exist and ``base_dir`` is
+    given, the recorded file name in ``base_dir``."""
+    if base_path is not None:
+        return os.fspath(base_path)
+    rel = record["file"]
+    if is_url(path):
+        here = posixpath.join(posixpath.dirname(path), rel)
+    else:
+        here = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), *rel.split("/")))
+    if base_dir is not None and (is_url(here) or not os.path.exists(here)):
+        d = os.fspath(base_dir)
+        name = rel.rsplit("/", 1)[-1]
+        return posixpath.join(d, name) if is_url(d) else os.path.join(d, name)
+    return here
+
+
+def open_base(reader: Any, base_dir: Any, base_path: Any) -> Any:
+    """The reader of ``reader``'s base, checked against its record (size, manifest SHA-256, depth)."""
+    from .api import CheckpointReader
+    rec = reader.bases[0]
+    where = base_location(reader.path, rec, base_dir, base_path)
+    depth = getattr(reader, "_depth", 0) + 1
+    if depth > MAX_CHAIN:
+        raise BaseCheckpointError(f"chain of bases deeper than {MAX_CHAIN} at {reader.path}")
+    what = f"base checkpoint {rec['file']!r} of {reader.path} (looked for at {where})"
+    try:
+        base = CheckpointReader(where, base_dir=base_dir, _depth=depth, max_bytes=reader._max_bytes)
+    except FileNotFoundError:
+        raise BaseCheckpointError(f"{what} is missing; pass base_dir= or base_path= if it moved") from None
+    except BaseCheckpointError:
+        raise
+    except Exception as e:
+        raise BaseCheckpointError(f"{what} cannot be read: {type(e).__name__}: {e}") from None
+    if base.file_size != rec["size"] or base.manifest_sha256 != rec["sha256"]:
+        base.close()
+        raise BaseCheckpointError(f"{what} was altered or replaced: its size/manifest SHA-256 "
+                                  f"({base.file_size}, {base.manifest_sha256[:16]}...) differ from the "
+                                  f"record ({rec['size']}, {rec['sha256'][:16]}...)")
+    got = 1 + (base.bases[0]["depth"] if base.bases else 0)
+    if got != rec["depth"]:
+        base.close()
+        raise BaseCheckpointError(f"{what} has chain depth {got}, the record says {rec['depth']}")
+    return base
+
+
+def xor_pairs(root: Any, refs: list[StorageRef], base_reader: Any) -> dict[int, int]:
+    """New storage index -> base storage index, matched by the key (tree path) of the first
+    tensor that owns each storage, with the same byte count, element type and tensor dtype."""
+    new_keys, _ = tensor_keys(root)
+    old_keys, _ = tensor_keys(base_reader.manifest.doc["root"])
+    bst = base_reader.storages
+    pairs: dict[int, int] = {}
+    for key, node in new_keys.items():
+        i = node.get("s")
+        if i in pairs or node.get("t") != "tensor":
+            continue
+        old = old_keys.get(key)
+        if old is None or old.get("t") != "tensor" or old.get("dtype") != node.get("dtype"):
+            continue
+        j = old["s"]
+        if bst[j]["nbytes"] == refs[i].data.numel() and bst[j].get("elem") == refs[i].elem and refs[i].data.numel():
+            pairs[i] = j
+    return pairs
+
+
+def delta_candidates(root: Any, refs: list[StorageRef], base_reader: Any, skip: set) -> dict[int, Any]:
+    """Bound reference transforms for every storage with a matching base storage (``delta`` for
+    floats of 2, 4 or 8 bytes, ``xor`` for anything else): the base storages
+    are decoded (pipelined, one pass) onto the device of the storage they are compared with."""
+    pairs = {i: j for i, j in xor_pairs(root, refs, base_reader).items() if i not in skip}
+    outs: dict[int, torch.Tensor] = {}
+    for i, j in pairs.items():
+        if j not in outs:
+            outs[j] = torch.empty(refs[i].data.numel(), dtype=torch.uint8, device=refs[i].data.device)
+    base_reader._check_budget(sum(t.numel() for t in outs.values()), "the base checkpoint")
+    base_reader._fill(outs)
+    res = {}
+    for i, j in pairs.items():
+        t = outs[j]
+        if t.device != refs[i].data.device:
+            t = t.to(refs[i].data.device)
+        w = refs[i].float_width
+        res[i] = (Delta(0, j, w) if w and refs[i].data.numel() % w == 0 else Xor(0, j)).bind(t)
+    return res
+
+
+def chain(path: Any, base_dir: Any = None) -> list[str]:
+    """Paths of ``path``'s bases, nearest first (empty for a standalone file), each opened and
+    checked against its record; raises :class:`BaseCheckpointError` for a missing or altered one."""
+    from .api import CheckpointReader
+    out: list[str] = []
+    r = CheckpointReader(path, base_dir=base_dir)
+    try:
+        while r.bases:
+            b = open_base(r, base_dir, None)
+            r.close()
+            r = b
+            out.append(r.path)
+    finally:
+        r.close()
+    return out

@@ -1,0 +1,281 @@
+"""Transforms against a *reference* storage (format 1.1): ``xor`` (a storage of a base checkpoint)
+and ``derived`` (a cast of another storage of the same file).
+
+Both turn a storage into a *residual* that is all zero where the storage equals its prediction:
+
+* ``xor`` (``{"id": "xor", "ref": {"base": 0, "storage": j}}``): residual = storage XOR storage
+  ``j`` of base checkpoint 0 (same byte count). Slowly changing weights share sign, exponent and
+  upper mantissa bits with their base, so after ``byteplane`` the high planes are nearly zero.
+* ``derived`` (``{"id": "derived", "ref": {"storage": k}, "from": "float32", "to": "bfloat16"}``):
+  residual = storage XOR cast(storage ``k``), the cast defined bit-exactly below (the same on CPU
+  and GPU, whatever torch's own cast does with NaN payloads). A bf16 copy of fp32 master weights
+  is then all zeros; positions where the copy differs (other rounding, NaN payloads) are simply
+  nonzero residual words: the exceptions cost what they compress to.
+
+A reference transform is unbound when parsed (``get_transform``); :meth:`RefTransform.bind`
+gives it the reference bytes (the whole reference storage as flat ``uint8``), and every
+``encode``/``decode`` call names the byte offset ``start`` of its slice within the storage, so
+windows of a storage are transformed independently. ``decode`` may write into the tensor that
+holds the reference (``xor`` decodes in place into a destination pre-filled with the base).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CorruptFileError, UnknownCodecError
+from .base import Transform, register
+
+CASTS = {("float32", "bfloat16"), ("float32", "float16")}
+#: the NaN a ``derived`` cast predicts (sign and payload of the source are not kept)
+NAN16 = {"bfloat16": 0x7FC0, "float16": 0x7E00}
+
+
+def _int(x: Any, what: str) -> int:
+    if type(x) is not int or x < 0:
+        raise CorruptFileError(f"{what} must be a non-negative integer, got {str(x)[:40]!r}")
+    return x
+
+
+def words(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (flat uint8) viewed as the widest integer words its size and alignment allow."""
+    n, off = t.numel(), t.storage_offset()
+    for w, dt in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if n % w == 0 and off % w == 0 and t.data_ptr() % w == 0:
+            return t.view(dt)
+    return t
+
+
+def _xor(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    wa, wb, wo = words(a), words(b), words(out)
+    if out.device.type == "cpu" and a.device.type == "cpu" and b.device.type == "cpu":
+        if wa.dtype == wb.dtype == wo.dtype:
+            np.bitwise_xor(wa.numpy(), wb.numpy(), out=wo.numpy())
+        else:
+            np.bitwise_xor(a.numpy(), b.numpy(), out=out.numpy())
+        return out
+    if wa.dtype == wb.dtype == wo.dtype:
+        torch.bitwise_xor(wa, wb, out=wo)
+    else:
+        torch.bitwise_xor(a, b, out=out)
+    return out
+
+
+def cast16(src: torch.Tensor, to: str) -> torch.Tensor:
+    """The ``derived`` prediction: float32 words (``src`` flat uint8, a multiple of 4 bytes) cast
+    to 16-bit words (int16 tensor) as format 1.1 defines it: bfloat16 by round-to-nearest-even of
+    the bit pattern (``(u + 0x7FFF + ((u >> 16) & 1)) >> 16``), float16 by IEEE 754
+    roundTiesToEven; every NaN becomes :data:`NAN16`."""
+    if src.device.type == "cpu":
+        return torch.from_numpy(_np_cast16(src.numpy(), to))
+    f = src.view(torch.float32)
+    if to == "bfloat16":  # int32 arithmetic that cannot overflow
+        u = src.view(torch.int32)
+        hi = (u >> 16) & 0xFFFF
+        r = (hi + (((u & 0xFFFF) + 0x7FFF + (hi & 1)) >> 16)) & 0xFFFF
+        r = (r - ((r >> 15) << 16)).to(torch.int16)  # as a signed 16-bit value, exactly
+    else:
+        r = f.to(torch.float16).view(torch.int16)
+    return r.masked_fill_(torch.isnan(f), NAN16[to])
+
+
+def _np_cast16(src: np.ndarray, to: str) -> np.ndarray:
+    """:func:`cast16` for host arrays (numpy: several times faster than torch's CPU kernels here)."""
+    if to == "bfloat16":
+        u = src.view(np.uint32)
+        r = (u >> 16) & 1
+        r += 0x7FFF
+        r += u  # wraps only for NaN patterns, which are replaced below
+        r >>= 16
+        out = r.astype(np.uint16)
+    else:
+        # torch's CPU cast (IEEE roundTiesToEven, vectorized; numpy's is ~10x slower)
+        out = torch.from_numpy(src).view(torch.float32).to(torch.float16).numpy().view(np.uint16)
+    nan = (src.view(np.uint32) & 0x7FFFFFFF) > 0x7F800000
+    out[nan] = NAN16[to]
+    return out.view(np.int16)
+
+
+class RefTransform(Transform):
+    """A transform against a reference storage (see the module docstring)."""
+
+    needs_ref = True
+    #: reference bytes per storage byte (2 for a float32 -> 16-bit cast)
+    factor = 1
+
+    def __init__(self) -> None:
+        self.ref: torch.Tensor | None = None
+
+    def bind(self, ref: torch.Tensor) -> "RefTransform":
+        """A copy of this transform that uses ``ref`` (flat uint8: the whole reference storage)."""
+        t = type(self).from_config(self.get_config())
+        t.ref = ref
+        return t
+
+    def _slice(self, start: int, n: int) -> torch.Tensor:
+        if self.ref is None:
+            raise RuntimeError(f"{self.wire_id}: transform used before bind()")
+        return self.ref[start * self.factor:(start + n) * self.factor]
+
+    def ref_nbytes(self, nbytes: int) -> int:
+        """Bytes the reference storage must have for a storage of ``nbytes``."""
+        return nbytes * self.factor
+
+
+@register
+class Xor(RefTransform):
+    wire_id = "xor"
+
+    def __init__(self, base: int, storage: int) -> None:
+        super().__init__()
+        self.base, self.storage = base, storage
+
+    def get_config(self) -> dict[str, Any]:
+        return {"id": self.wire_id, "ref": {"base": self.base, "storage": self.storage}}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Xor":
+        ref = config.get("ref")
+        if set(config) - {"id", "ref"} or not isinstance(ref, dict) or set(ref) - {"base", "storage"}:
+            raise UnknownCodecError(f"xor: unknown options in {str(config)[:200]}")
+        return cls(_int(ref.get("base"), "xor ref.base"), _int(ref.get("storage"), "xor ref.storage"))
+
+    def accepts(self, nbytes: int) -> bool:
+        return True
+
+    def encode(self, src: torch.Tensor, out: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
+        out = torch.empty_like(src) if out is None else out
+        if not src.numel():
+            return out
+        return _xor(src, self._slice(start, src.numel()).to(src.device), out)
+
+    def decode(self, src: torch.Tensor, dst: torch.Tensor, start: int = 0) -> None:
+        if not src.numel():
+            return
+        ref = self._slice(start, src.numel())
+        _xor(src.to(dst.device), ref if ref.device == dst.device else ref.to(dst.device), dst)
+
+
+@register
+class Derived(RefTransform):
+    wire_id = "derived"
+    factor = 2
+
+    def __init__(self, storage: int, src: str = "float32", to: str = "bfloat16") -> None:
+        super().__init__()
+        if (src, to) not in CASTS:
+            raise UnknownCodecError(f"derived: unsupported cast {src!r} -> {to!r}")
+        self.storage, self.src, self.to = storage, src, to
+
+    def get_config(self) -> dict[str, Any]:
+        return {"id": self.wire_id, "ref": {"storage": self.storage}, "from": self.src, "to": self.to}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Derived":
+        ref = config.get("ref")
+        if set(config) - {"id", "ref", "from", "to"} or not isinstance(ref, dict) or set(ref) - {"storage"}:
+            raise UnknownCodecError(f"derived: unknown options in {str(config)[:200]}")
+        src, to = config.get("from"), config.get("to")
+        if not isinstance(src, str) or not isinstance(to, str):
+            raise CorruptFileError("derived: from and to must be dtype names")
+        return cls(_int(ref.get("storage"), "derived ref.storage"), src, to)
+
+    def accepts(self, nbytes: int) -> bool:
+        return nbytes % 2 == 0
+
+    def predict(self, start: int, n: int, device: torch.device) -> torch.Tensor:
+        src = self._slice(start, n)
+        return cast16(src if src.device == device else src.to(device), self.to).view(torch.uint8)
+
+    def encode(self, src: torch.Tensor, out: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
+        out = torch.empty_like(src) if out is None else out
+        if not src.numel():
+            return out
+        return _xor(src, self.predict(start, src.numel(), src.device), out)
+
+    def decode(self, src: torch.Tensor, dst: torch.Tensor, start: int = 0) -> None:
+        if not src.numel():
+            return
+        _xor(src.to(dst.device), self.predict(start, src.numel(), dst.device), dst)
+
+
+_SINT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@register
+class Delta(RefTransform):
+    """``delta`` (``{"id": "delta", "ref": {"base": 0, "storage": j}, "width": w}``): the storage
+    and storage ``j`` of the base are read as little-endian words of ``w`` bytes (2, 4 or 8);
+    ``d = x - base (mod 2^8w)``, and the residual word is ``d XOR ((d >> (8w-1)) * (2^(8w-1)-1))``:
+    ``d`` with its low ``8w-1`` bits inverted when its top bit is set. For slowly changing floats
+    ``d`` is a small signed integer; the inversion turns ``-k`` into ``k-1`` with the sign on top,
+    so after ``byteplane`` (which rotates the sign to bit 0) the high planes are nearly all zero.
+    Measured on a CPU-trained GPT 50 steps apart it stores fp32 weights in 0.66 of raw against
+    0.69 for ``xor``, bf16 0.33 against 0.38, Adam v 0.77 against 0.79."""
+    wire_id = "delta"
+
+    def __init__(self, base: int, storage: int, width: int) -> None:
+        super().__init__()
+        if width not in _SINT:
+            raise UnknownCodecError(f"delta: unsupported width {width!r}")
+        self.base, self.storage, self.width = base, storage, width
+
+    def get_config(self) -> dict[str, Any]:
+        return {"id": self.wire_id, "ref": {"base": self.base, "storage": self.storage}, "width": self.width}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Delta":
+        ref = config.get("ref")
+        if set(config) - {"id", "ref", "width"} or not isinstance(ref, dict) or set(ref) - {"base", "storage"}:
+            raise UnknownCodecError(f"delta: unknown options in {str(config)[:200]}")
+        if type(config.get("width")) is not int:
+            raise CorruptFileError("delta: width must be an integer")
+        return cls(_int(ref.get("base"), "delta ref.base"), _int(ref.get("storage"), "delta ref.storage"),
+                   config["width"])
+
+    def accepts(self, nbytes: int) -> bool:
+        return nbytes % self.width == 0
+
+    def _fold(self, d):
+        """The residual of a difference word (an involution: it also maps residual -> difference)."""
+        bits = 8 * self.width
+        if isinstance(d, np.ndarray):
+            m = d >> (bits - 1)
+            m *= (1 << (bits - 1)) - 1
+            d ^= m
+            return d
+        return d.bitwise_xor_((d >> (bits - 1)).bitwise_and_((1 << (bits - 1)) - 1))
+
+    def encode(self, src: torch.Tensor, out: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
+        out = torch.empty_like(src) if out is None else out
+        if not src.numel():
+            return out
+        ref = self._slice(start, src.numel())
+        ref = ref if ref.device == src.device else ref.to(src.device)
+        if src.device.type == "cpu" and out.device.type == "cpu":
+            u = _UINT[self.width]
+            o = out.numpy().view(u)
+            np.subtract(src.numpy().view(u), ref.numpy().view(u), out=o)
+            self._fold(o)
+            return out
+        o = out.view(_SINT[self.width])
+        torch.sub(src.view(_SINT[self.width]), ref.view(_SINT[self.width]), out=o)
+        self._fold(o)
+        return out
+
+    def decode(self, src: torch.Tensor, dst: torch.Tensor, start: int = 0) -> None:
+        if not src.numel():
+            return
+        ref = self._slice(start, src.numel())
+        ref = ref if ref.device == dst.device else ref.to(dst.device)
+        src = src if src.device == dst.device else src.to(dst.device)
+        if dst.device.type == "cpu":
+            u = _UINT[self.width]
+            d = self._fold(src.numpy().view(u).copy())
+            np.add(ref.numpy().view(u), d, out=dst.numpy().view(u))
+            return
+        d = self._fold(src.view(_SINT[self.width]).clone())
+        torch.add(ref.view(_SINT[self.width]), d, out=dst.view(_SINT[self.width]))

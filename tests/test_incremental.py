@@ -1,0 +1,358 @@
+"""Format 1.1: derived tensors (a cast of another storage) and incremental checkpoints (delta/xor
+against a base file): detection, bit-exact round trips, choices, base errors, chains, validation."""
+import os
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ckptzip
+from ckptzip.engine.refplan import find_derived
+from ckptzip.transforms.refs import cast16
+from ckptzip.tree import Encoder
+from conftest import assert_same, read_parts, write_parts
+
+
+def transforms_of(path):
+    with ckptzip.open(path) as r:
+        return [[t["id"] for t in s.get("transforms", [])] for s in r.storages]
+
+
+def mixed_state(seed=0, n=4, d=64):
+    g = torch.Generator().manual_seed(seed)
+    w = {f"l{i}.w": torch.randn(d, d, generator=g) * 0.02 for i in range(n)}
+    w["b"] = torch.zeros(d)
+    m = {k: torch.randn(v.shape, generator=g) * 1e-3 for k, v in w.items()}
+    return {"model": w, "model_bf16": {k: v.to(torch.bfloat16) for k, v in w.items()},
+            "optimizer": {"m": m, "v": {k: (x * x) for k, x in m.items()}}, "step": 7}
+
+
+def nudge(state, seed, scale=1e-4):
+    g = torch.Generator().manual_seed(seed)
+    w = {k: v + torch.randn(v.shape, generator=g) * scale for k, v in state["model"].items()}
+    return {"model": w, "model_bf16": {k: v.to(torch.bfloat16) for k, v in w.items()},
+            "optimizer": {k: {n: x * 0.99 for n, x in d.items()} for k, d in state["optimizer"].items()},
+            "step": state["step"] + 1}
+
+
+# -- casts and derived detection --------------------------------------------------------------
+def test_cast16_matches_torch_except_nan():
+    x = torch.randn(1 << 16) * torch.logspace(-45, 38, 1 << 16)
+    bits = torch.randint(-2**31, 2**31 - 1, (1 << 16,), dtype=torch.int32).view(torch.float32)
+    for src in (x, bits, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.4e38, 1e-45, 65520.0])):
+        for to, dt in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+            got = cast16(src.view(torch.uint8), to)
+            want = src.to(dt).view(torch.int16)
+            ok = ~torch.isnan(src)
+            assert torch.equal(got[ok], want[ok])
+            assert (got[~ok] == (0x7FC0 if to == "bfloat16" else 0x7E00)).all()
+
+
+def test_derived_detection_pairs_by_values():
+    st = mixed_state()
+    st["half"] = {k: v.half() for k, v in st["model"].items()}
+    st["other_bf16"] = torch.randn(64, 64).bfloat16()  # same numel, no source
+    enc = Encoder()
+    enc.encode(st)
+    found = find_derived(enc.storages)
+    keys = list(st["model"])
+    nsrc = len(keys)
+    # model storages are 0..n-1; bf16 copies n..2n-1; optimizer m/v 2n..4n-1; half 4n..5n-1
+    for j in range(nsrc):
+        assert found[nsrc + j].storage == j and found[nsrc + j].to == "bfloat16"
+        assert found[4 * nsrc + j].storage == j and found[4 * nsrc + j].to == "float16"
+    assert 5 * nsrc not in found  # other_bf16
+
+
+def test_derived_round_trip_with_exceptions(tmp_path):
+    st = mixed_state()
+    bf = st["model_bf16"]["l1.w"]
+    bf.view(-1)[:4] = torch.tensor([float("nan"), -0.0, 5.0, float("inf")], dtype=torch.bfloat16)
+    st["model"]["l2.w"].view(-1)[:3] = torch.tensor([float("nan"), -0.0, float("-inf")])
+    st["model"]["l2.w"].view(-1)[3:5].view(torch.int32)[:] = torch.tensor([0x7F800001, -0x7FFFFF])  # NaN payloads
+    st["model_bf16"]["l2.w"] = st["model"]["l2.w"].to(torch.bfloat16)
+    st["fp16"] = st["model"]["l3.w"].half()
+    p = tmp_path / "d.ckz"
+    info = ckptzip.save(st, p)
+    assert info["derived_storages"] == len(st["model"]) + 1
+    assert_same(ckptzip.load(p), st)
+    raw = open(p, "rb").read()
+    assert raw[8:12] == b"\x01\x00\x01\x00"  # header version 1.1
+    plain = tmp_path / "plain.ckz"
+    ckptzip.save(st, plain, derive=False)
+    assert os.path.getsize(p) < os.path.getsize(plain) - st["model_bf16"]["l0.w"].numel()
+    with ckptzip.open(p) as r:  # lazy access resolves the source too
+        assert_same(r.get_tensor("model_bf16.l1.w"), st["model_bf16"]["l1.w"])
+    # a file without derived/base stays a 1.0 file
+    ckptzip.save({"a": torch.ones(3)}, tmp_path / "v10.ckz")
+    assert open(tmp_path / "v10.ckz", "rb").read()[8:12] == b"\x01\x00\x00\x00"
+
+
+def test_derived_not_used_when_copy_differs(tmp_path):
+    st = mixed_state()
+    st["model_bf16"]["l0.w"] = (st["model"]["l0.w"] * 1.5).bfloat16()
+    p = tmp_path / "d.ckz"
+    ckptzip.save(st, p)
+    tfs = transforms_of(p)
+    assert tfs[len(st["model"])][:1] != ["derived"]
+    assert_same(ckptzip.load(p), st)
+
+
+# -- incremental ----------------------------------------------------------------------------
+def test_incremental_round_trip_and_gain(tmp_path):
+    s1 = mixed_state(d=256)
+    s2 = nudge(s1, 1)
+    a, b, full = tmp_path / "a.ckz", tmp_path / "b.ckz", tmp_path / "full.ckz"
+    ckptzip.save(s1, a)
+    info = ckptzip.save(s2, b, base=a)
+    ckptzip.save(s2, full)
+    assert info["base"] == "a.ckz" and info["delta_storages"] > 0
+    assert os.path.getsize(b) < 0.9 * os.path.getsize(full)
+    assert_same(ckptzip.load(b), s2)
+    assert ckptzip.base_chain(b) == [str(a)]
+    assert ckptzip.base_chain(a) == []
+    with ckptzip.open(b) as r:
+        assert r.base["file"] == "a.ckz" and r.base["depth"] == 1
+        assert_same(r.get_tensor("model.l0.w"), s2["model"]["l0.w"])
+        r.verify()
+    tfs = transforms_of(b)
+    assert ["delta", "byteplane"] in tfs
+
+
+def test_delta_only_where_it_pays(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    s1 = {"same": torch.randn(300_000, generator=g) * 0.01, "noise": torch.randn(300_000, generator=g),
+          "ints": torch.arange(1000)}
+    s2 = {"same": s1["same"] + 1e-7 * torch.randn(300_000, generator=g),
+          "noise": torch.randn(300_000, generator=g), "ints": torch.arange(1000) + 1}
+    a, b = tmp_path / "a.ckz", tmp_path / "b.ckz"
+    ckptzip.save(s1, a)
+    ckptzip.save(s2, b, base=a)
+    tfs = transforms_of(b)
+    assert tfs[0][0] == "delta"         # slowly changing weights: delta
+    assert tfs[1][:1] != ["delta"]      # unrelated values: no reference
+    assert_same(ckptzip.load(b), s2)
+
+
+def test_xor_for_non_float_storages(tmp_path):
+    s1 = {"ids": torch.arange(100_000, dtype=torch.int64) * 3}
+    s2 = {"ids": s1["ids"].clone()}
+    s2["ids"][::1000] += 1
+    a, b = tmp_path / "a.ckz", tmp_path / "b.ckz"
+    ckptzip.save(s1, a)
+    ckptzip.save(s2, b, base=a)
+    assert transforms_of(b)[0] == ["xor"]
+    assert_same(ckptzip.load(b), s2)
+
+
+def _elem_tensor(dt, n, g):
+    if dt.is_floating_point:
+        x = torch.randn(n, generator=g).to(dt)
+        return x
+    return torch.randint(-1000, 1000, (n,), generator=g).to(dt)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(0, 3000),
+       dts=st.lists(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32,
+                                     torch.uint8]), min_size=1, max_size=4),
+       change=st.floats(0, 1), extra=st.booleans())
+def test_incremental_hypothesis(tmp_path_factory, seed, n, dts, change, extra):
+    tmp = tmp_path_factory.mktemp("h")
+    g = torch.Generator().manual_seed(seed)
+    s1 = {f"t{i}": _elem_tensor(dt, n + i, g) for i, dt in enumerate(dts)}
+    s2 = {}
+    for k, v in s1.items():
+        w = v.clone()
+        if w.numel():
+            mask = torch.rand(w.shape, generator=g) < change
+            w[mask] = _elem_tensor(v.dtype, int(mask.sum()), g)
+        s2[k] = w
+    if extra:  # a new key, a key whose shape changed, a view sharing storage
+        s2["new"] = torch.randn(17, generator=g)
+        s2["t0"] = torch.cat([s2["t0"], s2["t0"][:3]])
+        s2["view"] = s2["t0"][1:]
+    a, b = tmp / "a.ckz", tmp / "b.ckz"
+    ckptzip.save(s1, a, chunk_size=1024)
+    ckptzip.save(s2, b, base=a, chunk_size=1024)
+    assert_same(ckptzip.load(b), s2)
+
+
+def test_chain_of_three_and_moved_bases(tmp_path):
+    s = [mixed_state(d=128)]
+    for k in range(3):
+        s.append(nudge(s[-1], k + 10))
+    paths = [tmp_path / f"s{k}.ckz" for k in range(4)]
+    ckptzip.save(s[0], paths[0])
+    for k in range(1, 4):
+        ckptzip.save(s[k], paths[k], base=paths[k - 1])
+    for k in range(4):
+        assert_same(ckptzip.load(paths[k]), s[k])
+    assert ckptzip.base_chain(paths[3]) == [str(p) for p in paths[2::-1]]
+    with ckptzip.open(paths[3]) as r:
+        assert r.base["depth"] == 3
+    # move the whole chain: found by relative paths
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for p in paths:
+        shutil.move(p, moved / p.name)
+    assert_same(ckptzip.load(moved / "s3.ckz"), s[3])
+    # move only the bases: base_dir finds them by file name, base_path names the nearest one
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.move(moved / "s3.ckz", other / "s3.ckz")
+    with pytest.raises(ckptzip.BaseCheckpointError, match="s2.ckz"):
+        ckptzip.load(other / "s3.ckz")
+    assert_same(ckptzip.load(other / "s3.ckz", base_dir=moved), s[3])
+    # base_path names the nearest base; its own bases are found relative to it
+    assert_same(ckptzip.load(other / "s3.ckz", base_path=moved / "s2.ckz"), s[3])
+    shutil.move(moved / "s1.ckz", other / "s1.ckz")
+    with pytest.raises(ckptzip.BaseCheckpointError, match="s1.ckz"):
+        ckptzip.load(other / "s3.ckz", base_path=moved / "s2.ckz")
+
+
+def test_base_missing_altered_replaced(tmp_path):
+    s1 = mixed_state()
+    s2 = nudge(s1, 5)
+    a, b = tmp_path / "a.ckz", tmp_path / "b.ckz"
+    ckptzip.save(s1, a)
+    ckptzip.save(s2, b, base=a)
+    # replaced by another valid checkpoint
+    ckptzip.save(nudge(s1, 6), a)
+    with pytest.raises(ckptzip.BaseCheckpointError, match="a.ckz.*altered or replaced"):
+        ckptzip.load(b)
+    with pytest.raises(ckptzip.BaseCheckpointError, match="a.ckz"):
+        ckptzip.base_chain(b)
+    # missing
+    os.remove(a)
+    with pytest.raises(ckptzip.BaseCheckpointError, match="a.ckz.*missing"):
+        ckptzip.load(b)
+    with ckptzip.open(b) as r:  # metadata and keys stay readable without the base
+        assert "model.l0.w" in r.keys()
+        with pytest.raises(ckptzip.BaseCheckpointError):
+            r.get_tensor("model.l0.w")
+    # altered in place (same size): the manifest hash catches a changed chunk table
+    ckptzip.save(s1, a)
+    ckptzip.save(s2, b, base=a)
+    data, doc, rows = read_parts(a)
+    doc["meta"]["x"] = "y"
+    write_parts(a, data, doc, rows)
+    with pytest.raises(ckptzip.BaseCheckpointError, match="altered"):
+        ckptzip.load(b)
+    # a flipped data byte keeps the manifest: the chunk checksum refuses it (never wrong data)
+    ckptzip.save(s1, a)
+    ckptzip.save(s2, b, base=a)
+    raw = bytearray(open(a, "rb").read())
+    _, _, rows = read_parts(a)
+    raw[int(rows["offset"][0])] ^= 0xFF
+    open(a, "wb").write(bytes(raw))
+    with pytest.raises(ckptzip.ChecksumError):
+        ckptzip.load(b)
+
+
+def test_base_is_not_a_checkpoint(tmp_path):
+    s1 = mixed_state()
+    a, b = tmp_path / "a.ckz", tmp_path / "b.ckz"
+    ckptzip.save(s1, a)
+    ckptzip.save(nudge(s1, 1), b, base=a)
+    open(a, "wb").write(b"not a checkpoint at all" * 10)
+    with pytest.raises(ckptzip.BaseCheckpointError, match="a.ckz"):
+        ckptzip.load(b)
+
+
+# -- manifest validation ----------------------------------------------------------------------
+@pytest.fixture
+def incr(tmp_path):
+    s1 = mixed_state()
+    a, b = tmp_path / "a.ckz", tmp_path / "b.ckz"
+    ckptzip.save(s1, a)
+    ckptzip.save(nudge(s1, 1), b, base=a)
+    return b
+
+
+@pytest.mark.parametrize("edit, err", [
+    (lambda d: d["bases"][0].update(depth=0), "depth"),
+    (lambda d: d["bases"][0].update(depth=65), "depth"),
+    (lambda d: d["bases"][0].update(sha256="zz"), "sha256"),
+    (lambda d: d["bases"][0].update(file="/etc/passwd"), "relative"),
+    (lambda d: d["bases"][0].pop("size"), "exactly"),
+    (lambda d: d.update(bases=[d["bases"][0], d["bases"][0]]), "at most"),
+    (lambda d: d.pop("bases"), "base 0, which does not exist"),
+])
+def test_validation_of_bases(incr, tmp_path, edit, err):
+    data, doc, rows = read_parts(incr)
+    edit(doc)
+    q = tmp_path / "bad.ckz"
+    write_parts(q, data, doc, rows)
+    with pytest.raises(ckptzip.CorruptFileError, match=err):
+        ckptzip.open(q)
+
+
+def _derived_file(tmp_path):
+    p = tmp_path / "d.ckz"
+    ckptzip.save(mixed_state(), p)
+    return p
+
+
+def test_validation_of_derived_refs(tmp_path):
+    p = _derived_file(tmp_path)
+    data, doc, rows = read_parts(p)
+    n = len(mixed_state()["model"])
+    q = tmp_path / "bad.ckz"
+    cases = [
+        (lambda s: s[n]["transforms"][0]["ref"].update(storage=999), "does not exist"),
+        (lambda s: s[n]["transforms"][0]["ref"].update(storage=n), "itself"),
+        (lambda s: s[n]["transforms"][0]["ref"].update(storage=n + 1), "bytes, expected"),
+        (lambda s: s[n]["transforms"][0]["ref"].update(storage=-1), "non-negative"),
+        (lambda s: s[n]["transforms"].insert(0, {"id": "byteplane", "width": 2, "block": 8}), "starts with"),
+        (lambda s: s[n]["transforms"].append({"id": "derived", "ref": {"storage": 0}, "from": "float32",
+                                              "to": "bfloat16"}), "at most two|only be the first"),
+    ]
+    for edit, err in cases:
+        _, doc, _ = read_parts(p)
+        edit(doc["storages"])
+        write_parts(q, data, doc, rows)
+        with pytest.raises(ckptzip.CorruptFileError, match=err):
+            ckptzip.open(q)
+
+
+def test_validation_refuses_derived_cycle(tmp_path):
+    st = {"a": torch.zeros(0, dtype=torch.bfloat16), "b": torch.zeros(0, dtype=torch.bfloat16)}
+    p = tmp_path / "c.ckz"
+    ckptzip.save(st, p)
+    data, doc, rows = read_parts(p)
+    for i in (0, 1):  # zero-byte storages satisfy the size rule: only the cycle check refuses them
+        doc["storages"][i]["transforms"] = [{"id": "derived", "ref": {"storage": 1 - i}, "from": "float32",
+                                             "to": "bfloat16"}]
+    q = tmp_path / "bad.ckz"
+    write_parts(q, data, doc, rows)
+    with pytest.raises(ckptzip.CorruptFileError, match="cycle"):
+        ckptzip.load(q)
+
+
+def test_unknown_reference_options_refused(tmp_path):
+    p = _derived_file(tmp_path)
+    data, doc, rows = read_parts(p)
+    n = len(mixed_state()["model"])
+    doc["storages"][n]["transforms"][0]["to"] = "float8"
+    q = tmp_path / "bad.ckz"
+    write_parts(q, data, doc, rows)
+    with pytest.raises(ckptzip.UnknownCodecError):
+        ckptzip.load(q)
+
+
+def test_base_with_url_target_refused(tmp_path):
+    a = tmp_path / "a.ckz"
+    ckptzip.save({"x": torch.ones(4)}, a)
+    with pytest.raises(ValueError, match="local paths"):
+        ckptzip.save({"x": torch.ones(4)}, "memory://x.ckz", base=a)
+
+
+def test_base_cannot_be_the_target(tmp_path):
+    a = tmp_path / "a.ckz"
+    ckptzip.save({"x": torch.ones(4)}, a)
+    with pytest.raises(ValueError, match="its own base"):
+        ckptzip.save({"x": torch.ones(4)}, a, base=a)
+    assert_same(ckptzip.load(a), {"x": torch.ones(4)})
