@@ -34,17 +34,36 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
     """Save ``obj`` (a state dict or any nesting of containers, tensors and plain values) to
     ``path`` (a local path, or an fsspec URL such as ``s3://bucket/key.ckz``).
 
-    ``codec``: ``"auto"``, a wire id (``"zstd"``, ``"deflate"``, ``"raw"``, or GPU-only ``"ans"``,
-    ``"bitcomp"``, ...) or a wire config dict. ``transform``: ``"auto"`` (byte planes for floats),
-    ``"byteplane"`` or ``None``. ``device``: ``"cpu"``, ``"cuda"`` or None (the GPU when nvCOMP is
-    usable). ``portable=True`` keeps to codecs any CPU decodes. ``storage_gbps`` (the write
-    bandwidth you expect) steers ``auto`` on the GPU. The write is atomic. Returns a summary
-    ``{"raw_bytes", "stored_bytes", "path"}`` (plus ``base``, ``xor_storages`` and
-    ``derived_storages`` where format 1.1 references were used).
+    ``path`` may also be a binary file object with ``write`` (written in place, not closed, no
+    atomic rename). Options (defaults in the signature):
+
+    * ``codec``: ``"auto"`` (default: nvCOMP ANS on byte planes on a GPU, zstd on the CPU), a wire
+      id (``"zstd"``, ``"deflate"``, ``"raw"``, or GPU-only ``"ans"``, ``"bitcomp"``,
+      ``"gdeflate"``, ``"lz4"``, ``"snappy"``, ``"cascaded"``) or a wire config dict.
+    * ``transform``: ``"auto"`` (byte planes for float storages), ``"byteplane"`` or ``None``.
+    * ``chunk_size``: bytes per compressed chunk, 64 to 16 MiB (16,777,216), default 1 MiB; each
+      chunk is decodable on its own (smaller: finer random access, more table rows).
+    * ``level``: codec level where the codec has one (zstd 1-22, deflate 1-9; default: the
+      codec's own, zstd 3 / the byte-plane setting on the CPU); ignored by nvCOMP codecs.
+    * ``metadata``: ``{str: str}`` stored in the manifest (``CheckpointReader.metadata``).
+    * ``allow_pickle``: store objects ckptzip cannot represent by pickling them (default False:
+      :class:`~ckptzip.UnsupportedObjectError`); loading them then needs ``allow_pickle=True``.
+    * ``fsync``: fsync the file and its directory before returning (default True).
+    * ``progress``: ``progress(bytes_done, bytes_total)`` called as storages are written (raw
+      bytes; called from this thread).
+    * ``device``: ``"cpu"``, ``"cuda"`` or None (default: the GPU when CUDA and nvCOMP are usable).
+    * ``portable``: only codecs any CPU decodes (zstd/deflate/raw), default False.
+    * ``storage_gbps``: the write bandwidth you expect, GB/s; steers ``auto`` on the GPU (slow
+      storage favours stronger codecs). Default None (unknown).
+    * ``window``: bytes processed per step, bounding working memory (default: a quarter of the GPU
+      budget, min(1 GiB, 10 % of free GPU memory), on a GPU; 64 MiB on the CPU).
+
+    The write is atomic. Returns a summary ``{"raw_bytes", "stored_bytes", "path"}`` (plus
+    ``base``, ``delta_storages`` and ``derived_storages`` where format 1.1 references were used).
 
     ``base``: the local path of an earlier checkpoint of the same state (an *incremental* save):
     each storage whose tensor has the same key, dtype and size there is stored as ``xor`` against
-    it where a sample shows that this pays. The file records the base by its path relative to
+    it (``delta`` for floats, ``xor`` otherwise) where a sample shows that this pays. The file records the base by its path relative to
     this file's directory and its manifest's SHA-256; loading needs the base (see :func:`load`,
     ``base_dir``/``base_path``). ``derive`` (with ``transform="auto"``): a 16-bit float storage
     that equals the cast of a float32 storage of the same state (a bf16 copy of master weights)
@@ -444,7 +463,11 @@ def load(path: Any, *, map_location: Any = None, allow_pickle: bool = False,
     loads to the CPU on a machine without CUDA; an explicit CUDA ``map_location`` there raises
     :class:`~ckptzip.GPURequiredError`. ``max_bytes`` bounds the decoded bytes (default
     ``max(1 GiB, 4096 x file size)``, see :class:`CheckpointReader`). Pickled objects load only
-    with ``allow_pickle=True``.
+    with ``allow_pickle=True``. ``progress(bytes_done, bytes_total)`` is called with decoded
+    (raw) bytes. ``decode_device``: ``"cpu"`` or ``"cuda"`` forces where chunks are decoded
+    (default: the GPU when the destination is on one or nvCOMP is usable, else the CPU).
+    ``base_dir`` / ``base_path``: where to find the base checkpoint(s) of an incremental file
+    that moved (default: the recorded relative path).
 
     An incremental checkpoint (saved with ``base=``) loads its chain of bases bit-exact: each base
     is found at the path recorded relative to the file, or given explicitly: ``base_path`` (the
