@@ -523,3 +523,22 @@ def test_export_command_and_info_says_lossy(tmp_path, capsys):
     one_error_line(capsys.readouterr().err)
     assert cli("export", src, tmp_path / "x.ckz", "--eval", "nomodule") == 2
     one_error_line(capsys.readouterr().err)
+
+
+def test_incremental_chain_in_ls_info_and_convert_full(tmp_path, capsys):
+    torch.manual_seed(0)
+    w = torch.randn(100_000)
+    m = ckptzip.CheckpointManager(tmp_path / "run", incremental=True, full_every=4, keep_last=None)
+    for step in (1, 2):
+        w += 1e-4 * torch.randn_like(w)
+        m.save(step, {"w": w.clone()})
+    capsys.readouterr()
+    assert cli("ls", tmp_path / "run", "--json") == 0
+    ent = {e["step"]: e for e in json.loads(capsys.readouterr().out)["entries"]}
+    assert ent[1]["base"] is None and ent[2]["base"] == 1
+    assert cli("info", m.path(2)) == 0 and "incremental" in capsys.readouterr().out
+    out = tmp_path / "full.ckz"
+    assert cli("convert", m.path(2), out, "--full", "-q") == 0
+    with ckptzip.open(out) as r:
+        assert r.base is None
+    assert torch.equal(ckptzip.load(out)["w"], w)

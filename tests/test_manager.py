@@ -164,3 +164,31 @@ def test_entries_of_a_healthy_directory_and_wide_steps(tmp_path):
     assert m.latest() == 1_234_567_890 and torch.equal(m.load(3)["w"], st(3)["w"])
     info = json.loads((tmp_path / "step-000000003.commit").read_text())
     assert info == {"step": 3, "file": "step-000000003.ckz", "bytes": os.path.getsize(m.path(3))}
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_incremental_manager_full_every_and_bases_kept(tmp_path, use_async):
+    """Deltas refer to the last full checkpoint, a full one every ``full_every`` saves, and
+    rotation keeps the base of every kept checkpoint."""
+    import ckptzip
+    torch.manual_seed(0)
+    w = torch.randn(200_000)
+    m = ckptzip.CheckpointManager(tmp_path, keep_last=2, incremental=True, full_every=3, async_save=use_async)
+    saved = {}
+    for step in range(1, 8):
+        w += 1e-4 * torch.randn_like(w)
+        st = {"w": w.clone(), "w16": w.to(torch.bfloat16), "step": step}
+        saved[step] = st
+        h = m.save(step, st)
+        if use_async:
+            h.wait()
+    m.wait()
+    bases = {s: m.base_of(s) for s in m.steps()}
+    assert m.steps() == [4, 6, 7], m.entries()  # 5 rotated out; 4 kept as the base of 6
+    assert bases == {4: None, 6: 4, 7: None}
+    for s in m.steps():
+        got = m.load(s)
+        assert torch.equal(got["w"], saved[s]["w"]) and got["step"] == s
+        assert torch.equal(got["w16"].view(torch.int16), saved[s]["w16"].view(torch.int16))
+    with pytest.raises(ValueError):
+        ckptzip.CheckpointManager(tmp_path, incremental=True, full_every=0)

@@ -324,7 +324,8 @@ def snapshot(obj: Any, *, codec: str | dict = "auto", transform: str | None = "a
              chunk_size: int = DEFAULT_CHUNK, level: int | None = None, metadata=None,
              allow_pickle: bool = False, device: str | None = None, portable: bool = False,
              storage_gbps: float | None = None, window: int | None = None, reuse_plan: bool = True,
-             gpu_snapshot_bytes: int | None = None, arena: Arena | None = None) -> Snapshot:
+             gpu_snapshot_bytes: int | None = None, arena: Arena | None = None, base=None, target=None,
+             derive: bool = True) -> Snapshot:
     """Take a consistent snapshot of ``obj`` for a later :meth:`Snapshot.write` (the building
     block of :func:`async_save`, also used by ``ckptzip.dcp.Writer.stage``). Arguments as for
     :func:`async_save`. On a GPU the snapshot is the compression itself (compressed chunks held
@@ -332,11 +333,13 @@ def snapshot(obj: Any, *, codec: str | dict = "auto", transform: str | None = "a
     CPU it is a copy of the raw bytes into the arena. Once it returns, ``obj``'s tensors may
     change. ``arena`` (default None: the module's shared arena, which :func:`async_save` also
     uses: one snapshot in flight at a time): the host :class:`Arena` the snapshot's bytes live
-    in until :meth:`Snapshot.write` returns; pass your own to keep several snapshots apart."""
+    in until :meth:`Snapshot.write` returns; pass your own to keep several snapshots apart.
+    ``base`` / ``target`` / ``derive``: an incremental save against ``base`` that will be written
+    to ``target`` (see :func:`ckptzip.save`)."""
     t0 = time.perf_counter()
     arena = ARENA if arena is None else arena
     prep = prepare(obj, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
-                   storage_gbps, window, reuse_plan)
+                   storage_gbps, window, reuse_plan, base=base, target=target, derive=derive)
     staged = _snapshot(prep, gpu_snapshot_bytes, arena)
     return Snapshot(prep, staged, arena, time.perf_counter() - t0)
 
@@ -345,7 +348,8 @@ def async_save(obj: Any, path, *, codec: str | dict = "auto", transform: str | N
                chunk_size: int = DEFAULT_CHUNK, level: int | None = None, metadata=None,
                allow_pickle: bool = False, fsync: bool = True, progress=None, device: str | None = None,
                portable: bool = False, storage_gbps: float | None = None, window: int | None = None,
-               reuse_plan: bool = True, gpu_snapshot_bytes: int | None = None) -> SaveHandle:
+               reuse_plan: bool = True, gpu_snapshot_bytes: int | None = None, base=None,
+               derive: bool = True) -> SaveHandle:
     """Like :func:`ckptzip.save` (same arguments, same defaults), but return a
     :class:`SaveHandle` as soon as a consistent snapshot of ``obj`` is taken; compression (on
     the CPU), the file write, fsync and the atomic rename go on in a background thread. After
@@ -361,7 +365,9 @@ def async_save(obj: Any, path, *, codec: str | dict = "auto", transform: str | N
     background thread, bytes of raw data; default None), ``device`` (``"cpu"``, ``"cuda"`` or None:
     the GPU when nvCOMP is usable), ``portable`` (default False), ``storage_gbps`` (GB/s, the
     write bandwidth you expect; default None), ``window`` (bytes of data encoded per group;
-    default None: 64 MiB on the CPU, sized from free memory on the GPU).
+    default None: 64 MiB on the CPU, sized from free memory on the GPU), ``base`` (an earlier
+    checkpoint: an incremental save, see :func:`ckptzip.save`; default None), ``derive``
+    (default True).
 
     Async-only arguments: ``reuse_plan`` (default True): reuse the codec choices sampled for an
     earlier save of the same layout (the usual case in a training loop), keeping sampling out of
@@ -392,7 +398,8 @@ def async_save(obj: Any, path, *, codec: str | dict = "auto", transform: str | N
     snap = snapshot(obj, codec=codec, transform=transform, chunk_size=chunk_size, level=level,
                     metadata=metadata, allow_pickle=allow_pickle, device=device, portable=portable,
                     storage_gbps=storage_gbps, window=window, reuse_plan=reuse_plan,
-                    gpu_snapshot_bytes=gpu_snapshot_bytes)
+                    gpu_snapshot_bytes=gpu_snapshot_bytes, base=base,
+                    target=path if base is not None else None, derive=derive)
     handle = SaveHandle()
     handle.path = str(path)
     handle.stall_s = snap.stall_s

@@ -436,7 +436,8 @@ def info_rows(path: str, max_bytes: int | None = None) -> tuple[dict, list[dict]
         head = {"path": path, "file_bytes": r.file_size, "version": r.manifest.doc["version"],
                 "created_by": r.manifest.doc.get("created_by"), "metadata": r.metadata,
                 "raw_bytes": sum(s["nbytes"] for s in r.storages),
-                "storages": len(r.storages), "chunks": int(r.manifest.doc["n_chunks"])}
+                "storages": len(r.storages), "chunks": int(r.manifest.doc["n_chunks"]),
+                "base": r.base}
     return head, rows
 
 
@@ -471,6 +472,10 @@ def cmd_info(a) -> int:
     console.print(t)
     for k, val in head["metadata"].items():
         say(line(("metadata ", "dim"), f"{k} = {val}"))
+    if head["base"]:
+        b = head["base"]
+        say(line(("incremental ", "dim"), f"against base {b.get('file')} (chain depth {b.get('depth')}, "
+                 f"manifest sha256 {str(b.get('sha256'))[:16]}...); `ckptzip convert` writes a full copy"))
     say(line(f"tensor bytes {head['raw_bytes']:,} -> file {head['file_bytes']:,} "
              f"(ratio {head['file_bytes'] / max(1, head['raw_bytes']):.3f}), "
              f"{head['storages']} storages, {head['chunks']} chunks"))
@@ -613,10 +618,12 @@ def cmd_ls(a) -> int:
     steps = [e.step for e in entries if e.status == "committed"]
     if a.json:
         print(json.dumps({"directory": a.directory, "steps": steps, "latest": steps[-1] if steps else None,
-                          "entries": [e._asdict() for e in entries]}))
+                          "entries": [{**e._asdict(), "base": m.base_of(e.step) if e.status == "committed"
+                                       and e.kind == "file" else None} for e in entries]}))
         return 0
     t = Table(title=line(f"checkpoints in {a.directory}"))
-    for c in ("step", "name", "kind", "bytes", "status", "reason"):
+    base = {e.step: m.base_of(e.step) for e in entries if e.status == "committed" and e.kind == "file"}
+    for c in ("step", "name", "kind", "bytes", "base", "status", "reason"):
         t.add_column(c, justify="right" if c in ("step", "bytes") else "left",
                      overflow="fold" if c == "reason" else "ellipsis")
     style = {"committed": "green", "uncommitted": "yellow", "damaged": "red"}
@@ -624,6 +631,7 @@ def cmd_ls(a) -> int:
         t.add_row("" if e.step is None else str(e.step), text(e.name + ("/" if e.kind == "dcp" and
                                                                         not e.name.endswith(".commit") else "")),
                   text("dcp" if e.kind == "dcp" else "file"), "" if e.bytes is None else f"{e.bytes:,}",
+                  "" if base.get(e.step) is None else f"step {base[e.step]}",
                   text(e.status, style[e.status]), text(e.reason or ""))
     console.print(t)
     if not steps:
@@ -749,11 +757,15 @@ def build_parser() -> argparse.ArgumentParser:
     v = command("convert", "re-encode a .ckz with other options (e.g. GPU-only codec -> zstd)",
                 "Decode a .ckz and encode it again with other encoding options; its metadata is "
                 "kept. Use on a GPU machine to make a CPU-readable copy of a file written with a "
-                "GPU-only codec.")
+                "GPU-only codec. The output is always a full (standalone) checkpoint: an "
+                "incremental input is resolved against its base (--full says so explicitly).")
     v.add_argument("input", help=".ckz file")
     v.add_argument("output", help=".ckz file to write (replaced atomically; must not be the input)")
     add_save_options(v, "zstd")
     _add_pickle(v, "load and re-store pickled objects held by the .ckz")
+    v.add_argument("--full", action="store_true",
+                   help="write a full, standalone checkpoint (the default and only mode: an "
+                        "incremental input is resolved against its base)")
     _add_max_bytes(v)
     _add_quiet(v)
     v.set_defaults(fn=cmd_convert)

@@ -30,7 +30,8 @@ import re
 import time
 from typing import Any, NamedTuple
 
-from .api import load, save
+from .api import base_chain, load, save
+from .api import open as open_checkpoint
 from .asyncsave import SaveHandle, async_save
 from .storage import atomic_write, is_url, local_path
 
@@ -126,6 +127,15 @@ class CheckpointManager:
     Not automatic: a manager is in file mode unless ``distributed=True``, even under
     torch.distributed (file mode in a multi-rank job is the usual "rank 0 saves" pattern).
 
+    ``incremental`` (default False; local directories in file mode): every save after a full
+    (standalone) checkpoint is stored as a delta against that full checkpoint (format 1.1,
+    ``ckptzip.save(..., base=)``), and every ``full_every``-th save (int >= 1, default 10; 1:
+    every save full) is full again. Deltas refer to the last *full* checkpoint, not to the
+    previous delta: loading any checkpoint reads at most two files, and rotating a delta out
+    never breaks another (a chain of deltas would shrink each file a little more but make a load
+    decode the whole chain). Rotation never removes a checkpoint that a kept one needs as its
+    base; :meth:`base_of` names it; ``ckptzip ls`` shows it.
+
     Other keyword arguments (``codec``, ``level``, ``chunk_size``, ...) go to every
     :func:`ckptzip.save` / :func:`ckptzip.async_save` (to :class:`ckptzip.dcp.Writer` in
     distributed mode).
@@ -134,14 +144,20 @@ class CheckpointManager:
     def __init__(self, directory: str | os.PathLike, *, keep_last: int | None = 3,
                  keep_every: int | None = None, async_save: bool = False, create: bool = True,
                  stale_temp_s: float | None = STALE_TEMP_S, distributed: bool = False,
-                 process_group: Any = None, **save_kwargs: Any) -> None:
+                 process_group: Any = None, incremental: bool = False, full_every: int = 10,
+                 **save_kwargs: Any) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                       or keep_last < 0):
             raise ValueError("keep_last must be None or an int >= 0")
         if keep_every is not None and (isinstance(keep_every, bool) or not isinstance(keep_every, int)
                                        or keep_every < 1):
             raise ValueError("keep_every must be None or an int >= 1")
+        if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+            raise ValueError("full_every must be an int >= 1")
         self.directory = os.fspath(directory)
+        if incremental and (is_url(self.directory) or distributed):
+            raise ValueError("incremental checkpoints need a local directory in file mode")
+        self.incremental, self.full_every = bool(incremental), full_every
         self.keep_last, self.keep_every = keep_last, keep_every
         self.use_async = async_save
         self.stale_temp_s = stale_temp_s
@@ -196,6 +212,8 @@ class CheckpointManager:
         if self.distributed:
             return self._save_dcp(step, state, opts, bool(kwargs))
         path = self.path(step)
+        if self.incremental and "base" not in opts:
+            opts["base"] = self._base_for(step)
         if self.use_async:
             inner = async_save(state, path, **opts)
             handle = SaveHandle()
@@ -257,6 +275,31 @@ class CheckpointManager:
         if dist.is_available() and dist.is_initialized():
             dist.barrier(self.process_group)  # every rank sees the step committed when save returns
         return res
+
+    def base_of(self, step: int) -> int | None:
+        """The step of the checkpoint that checkpoint ``step`` (a file checkpoint) is stored
+        against, or None for a full one (or a file that cannot be read)."""
+        try:
+            with open_checkpoint(self.path(step)) as r:
+                rec = r.base
+        except Exception:  # noqa: BLE001  (listing never fails on a damaged file)
+            return None
+        if rec is None:
+            return None
+        m = _CKZ.fullmatch(os.path.basename(str(rec.get("file", ""))))
+        return int(m.group(1)) if m else None
+
+    def _base_for(self, step: int) -> str | None:
+        """The base of an incremental save of ``step``: the newest committed full checkpoint
+        older than it, while fewer than ``full_every - 1`` deltas follow that one; else None (a
+        full save)."""
+        since = 0
+        for s in reversed([s for s in self.steps() if s < step]):
+            with open_checkpoint(self.path(s)) as r:
+                if r.base is None:
+                    return self.path(s) if since + 1 < self.full_every else None
+            since += 1
+        return None
 
     def _write_marker(self, step: int, doc: dict) -> None:
         marker = json.dumps(doc).encode()
@@ -509,6 +552,16 @@ class CheckpointManager:
         keep = set(steps if self.keep_last is None else steps[-self.keep_last:] if self.keep_last else [])
         if self.keep_every:
             keep |= {s for s in steps if s % self.keep_every == 0}
+        if not self.distributed:  # never remove a base that a kept checkpoint needs
+            for s in list(keep):
+                try:
+                    chain = base_chain(self.path(s))
+                except Exception:  # noqa: BLE001  (a damaged chain: that checkpoint is lost anyway)
+                    chain = []
+                for b in chain:
+                    m = _CKZ.fullmatch(os.path.basename(b))
+                    if m:
+                        keep.add(int(m.group(1)))
         for s in steps:
             if s not in keep:
                 # uncommit first: a half-deleted checkpoint is never listed. Another process
