@@ -241,7 +241,7 @@ def test_sigterm_mid_write_removes_temp_file(tmp_path):
     torch.save({"x": torch.randn(4_000_000)}, pt)  # 16 MB: seconds at zstd level 19
     env = {**os.environ, "PYTHONPATH": os.path.abspath(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     p = subprocess.Popen([sys.executable, "-m", "ckptzip", "compress", str(pt), str(out), "--codec",
-                          "zstd", "--level", "19"], stderr=subprocess.PIPE, text=True, env=env)
+                          "zstd", "--level", "19", "--device", "cpu"], stderr=subprocess.PIPE, text=True, env=env)
     t0 = time.time()
     while not glob.glob(str(tmp_path / ".big.ckz.*.tmp")):
         assert p.poll() is None and time.time() - t0 < 60, "no temp file appeared"
