@@ -332,10 +332,8 @@ def _check_input(path: str) -> None:
 
 def _is_dcp_dir(path: str) -> bool:
     """A ckptzip DCP checkpoint directory (it holds the JSON metadata or the commit marker)."""
-    from .dcp import COMMIT_NAME, METADATA_NAME, _join, _size
-    if _is_url(path):
-        return _size(_join(path, METADATA_NAME)) is not None or _size(_join(path, COMMIT_NAME)) is not None
-    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, n)) for n in (METADATA_NAME, COMMIT_NAME))
+    from .dcp import is_checkpoint_dir
+    return is_checkpoint_dir(path)
 
 
 def dcp_info(path: str) -> dict:

@@ -113,6 +113,14 @@ def _join(base: str, name: str) -> str:
     return os.path.join(_local(base), name)
 
 
+def is_checkpoint_dir(path: str) -> bool:
+    """Whether ``path`` (a local directory or fsspec URL) looks like a ckptzip DCP checkpoint: it
+    holds the JSON metadata or the commit marker (complete or not; :func:`read_metadata` says)."""
+    if _is_url(path):
+        return _size(_join(path, METADATA_NAME)) is not None or _size(_join(path, COMMIT_NAME)) is not None
+    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, n)) for n in (METADATA_NAME, COMMIT_NAME))
+
+
 def _fs(url: str):
     import fsspec
     return fsspec.core.url_to_fs(url)
