@@ -224,6 +224,12 @@ class CheckpointReader:
         array (``'["a.b"]'``, ``'[1]'``). :meth:`get_tensor` accepts either form."""
         return list(self._tensor_nodes())
 
+    def tensor_info(self) -> list[dict[str, Any]]:
+        """Per tensor and numpy array, in key order, what the manifest says of it:
+        ``{"key", "dtype", "shape", "storage"}`` (``storage`` indexes :attr:`storages`)."""
+        return [{"key": k, "dtype": n.get("dtype"), "shape": n.get("shape"), "storage": self._storage_index(n)}
+                for k, n in self._tensor_nodes().items()]
+
     def __contains__(self, key: str) -> bool:
         return self._node(key) is not None
 

@@ -422,12 +422,12 @@ def info_rows(path: str, max_bytes: int | None = None) -> tuple[dict, list[dict]
     _check_input(path)
     with api.open(path, max_bytes=max_bytes) as r:
         rows = []
-        for key, node in r._tensor_nodes().items():
-            idx = r._storage_index(node)
+        for t in r.tensor_info():
+            key, idx = t["key"], t["storage"]
             s = r.storages[idx]
             codec = s["codec"]["id"] + (f":{s['codec']['data_type']}" if "data_type" in s["codec"] else "")
             tfs = "+".join(t["id"] for t in s.get("transforms", []))
-            rows.append({"key": key, "dtype": node.get("dtype"), "shape": node.get("shape"),
+            rows.append({"key": key, "dtype": t["dtype"], "shape": t["shape"],
                          "storage": idx, "raw_bytes": s["nbytes"], "stored_bytes": r.stored_bytes(idx),
                          "codec": f"{tfs}+{codec}" if tfs else codec,
                          "choice": s.get("choice", "")})

@@ -45,7 +45,7 @@ def cpu_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _pmap(fn: Callable[[int], Any], n: int) -> list[Any]:
+def pmap(fn: Callable[[int], Any], n: int) -> list[Any]:
     # inline when there is one item, or when called from a pool thread (no nested waits)
     if n <= 1 or threading.current_thread().name.startswith("ckptzip_"):
         return [fn(i) for i in range(n)]
@@ -74,7 +74,7 @@ class _ByteCodec(Codec):
 
     def encode(self, src, offsets, sizes):
         a = as_numpy(src)
-        outs = _pmap(lambda i: self._compress(memoryview(a[offsets[i]:offsets[i] + sizes[i]])),
+        outs = pmap(lambda i: self._compress(memoryview(a[offsets[i]:offsets[i] + sizes[i]])),
                      len(sizes))
         return _concat(outs)
 
@@ -93,7 +93,7 @@ class _ByteCodec(Codec):
                 raise CodecError(f"{self.wire_id}: chunk {i} decoded to {len(out)} bytes, expected {n}")
             d[dst_offsets[i]:dst_offsets[i] + n] = np.frombuffer(out, dtype=np.uint8)
 
-        _pmap(one, len(src_sizes))
+        pmap(one, len(src_sizes))
 
 
 @register

@@ -13,7 +13,7 @@ import torch
 
 from ..codecs import _capi
 from ..codecs.base import Codec, get_codec
-from ..codecs.cpu import _pmap
+from ..codecs.cpu import pmap
 from ..errors import CorruptFileError
 from ..format import FLAG_STORED_RAW
 from ..io.reader import read_stored
@@ -240,4 +240,4 @@ def _cpu_untransform(stream: torch.Tensor, grp: list) -> None:
             tf.decode(part, dst)
         else:
             np.copyto(dst.numpy(), part.numpy())
-    _pmap(one, len(tasks))
+    pmap(one, len(tasks))

@@ -137,13 +137,13 @@ def _np_steps(n: int, w: int, b: int) -> list[tuple[int, int, int, int]]:
 def _np_run(fn, steps: list, nbytes: int) -> None:
     """Run ``fn(steps)`` over the steps, split between threads for large inputs (numpy releases
     the GIL in its loops)."""
-    from ..codecs.cpu import _pmap, cpu_threads
+    from ..codecs.cpu import pmap, cpu_threads
     k = min(cpu_threads(), len(steps)) if nbytes >= _PARALLEL else 1
     if k <= 1:
         fn(steps)
         return
     parts = [steps[i * len(steps) // k:(i + 1) * len(steps) // k] for i in range(k)]
-    _pmap(lambda i: fn(parts[i]), k)
+    pmap(lambda i: fn(parts[i]), k)
 
 
 def _np_encode(src: np.ndarray, out: np.ndarray, w: int, b: int) -> None:
