@@ -168,7 +168,7 @@ def test_lossy_file_convention_and_guards(tmp_path):
     with ckptzip.open(dst) as r:
         assert r.metadata["ckptzip.lossy"] == "1" and r.metadata["ckptzip.lossy.scheme"] == "int4-g32"
         assert ex.is_lossy(r)
-    tree = ckptzip.load(dst)
+    tree = ex.load_codes(dst)  # the raw tree (ckptzip.load dequantizes)
     assert tree["format"] == "ckptzip-lossy/1"
     t = tree["tensors"]["0.weight"]
     assert t["codes"].dtype == torch.uint8 and t["scales"].dtype == torch.bfloat16
@@ -334,3 +334,17 @@ def test_resume_paths_refuse_lossy_files(tmp_path):
     from ckptzip.lightning import CkptzipCheckpointIO
     with pytest.raises(LossyCheckpointError):
         CkptzipCheckpointIO().load_checkpoint(p)
+
+
+def test_ckptzip_load_dequantizes_a_lossy_export(tmp_path):
+    sd = _mlp().state_dict()
+    p = tmp_path / "l.ckz"
+    ex.export(sd, p, scheme="int8")
+    got = ckptzip.load(p)
+    want = ex.load_lossy(p)
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k])
+    assert any(v.dtype == torch.bfloat16 for v in got.values())
+    f32 = ckptzip.load(p, dtype=torch.float32)
+    assert all(v.dtype != torch.bfloat16 for k, v in f32.items() if k in ex.load_codes(p)["tensors"])

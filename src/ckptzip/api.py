@@ -458,7 +458,8 @@ def open(path: Any, **kwargs: Any) -> CheckpointReader:  # noqa: A001
 
 def load(path: Any, *, map_location: Any = None, allow_pickle: bool = False,
          progress: Progress | None = None, decode_device: str | None = None,
-         max_bytes: int | None = None, base_dir: Any = None, base_path: Any = None) -> Any:
+         max_bytes: int | None = None, base_dir: Any = None, base_path: Any = None,
+         dtype: torch.dtype | None = None) -> Any:
     """Load what :func:`save` wrote from ``path`` (a local path, an fsspec URL, or a binary file
     object with ``read`` and ``seek``, left open). Tensors come back bit-exact, on their saved
     device unless ``map_location`` says otherwise: ``"cpu"``, ``"cuda"``, a ``torch.device``, a
@@ -479,11 +480,22 @@ def load(path: Any, *, map_location: Any = None, allow_pickle: bool = False,
     is found at the path recorded relative to the file, or given explicitly: ``base_path`` (the
     immediate base) or ``base_dir`` (a directory holding the bases by file name, for the whole
     chain). A missing, altered or replaced base raises :class:`~ckptzip.BaseCheckpointError`
-    naming it."""
+    naming it.
+
+    A lossy export (:func:`ckptzip.export`; its metadata says ``ckptzip.lossy``) loads as
+    ``{name: dequantized tensor}`` in ``dtype`` (default ``torch.bfloat16``) plus its lossless
+    tensors; ``ckptzip.lossy.load_codes`` gives the codes and scales. ``dtype`` applies to lossy
+    exports only."""
     with CheckpointReader(path, map_location=map_location, allow_pickle=allow_pickle,
                           progress=progress, decode_device=decode_device, max_bytes=max_bytes,
                           base_dir=base_dir, base_path=base_path) as r:
-        return r.load()
+        obj = r.load()
+        if r.metadata.get("ckptzip.lossy") != "1":
+            return obj
+    from .lossy.core import dequantize_tree
+    dev = map_location if isinstance(map_location, (str, torch.device)) else None
+    return dequantize_tree(obj, dtype or torch.bfloat16, dev, os.fspath(path) if isinstance(path, (str, os.PathLike))
+                           else "lossy export")
 
 
 def base_chain(path: Any, *, base_dir: Any = None) -> list[str]:

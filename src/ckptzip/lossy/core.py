@@ -256,22 +256,33 @@ def ensure_lossless(path: Any) -> None:
 
 def _load_tree(path: Any) -> dict:
     p = os.fspath(path)
-    with ckptzip.open(p) as r:
+    with ckptzip.open(p, map_location="cpu") as r:
         if r.metadata.get(META_LOSSY) != "1":
             raise ExportError(f"{p!r} is not a lossy export (no {META_LOSSY} metadata)")
-    tree = ckptzip.load(p, map_location="cpu")
+        tree = r.load()  # the raw tree (ckptzip.load would dequantize)
+    return _check_tree(tree, p)
+
+
+def _check_tree(tree: Any, where: str) -> dict:
     if not isinstance(tree, Mapping) or tree.get("format") != FORMAT:
-        raise ExportError(f"{p!r}: unknown lossy format {tree.get('format') if isinstance(tree, Mapping) else None!r}")
+        raise ExportError(f"{where!r}: unknown lossy format {tree.get('format') if isinstance(tree, Mapping) else None!r}")
     return tree
 
 
-def load_lossy(path: Any, dtype: torch.dtype = torch.bfloat16, device: str | None = None) -> dict[str, torch.Tensor]:
-    """{name: dequantized tensor (``dtype``)} for every quantized tensor, plus the kept tensors as stored."""
-    tree = _load_tree(path)
+def dequantize_tree(tree: Any, dtype: torch.dtype = torch.bfloat16, device: Any = None,
+                    where: str = "lossy export") -> dict[str, torch.Tensor]:
+    """{name: dequantized tensor (``dtype``)} of a lossy tree, plus its kept tensors as stored."""
+    tree = _check_tree(tree, where)
     out = {n: dequantize(e, dtype=dtype, device=device) for n, e in tree["tensors"].items()}
     for n, t in tree["kept"].items():
         out[n] = t.to(device) if device is not None else t
     return out
+
+
+def load_lossy(path: Any, dtype: torch.dtype = torch.bfloat16, device: str | None = None) -> dict[str, torch.Tensor]:
+    """{name: dequantized tensor (``dtype``)} for every quantized tensor, plus the kept tensors as
+    stored (what ``ckptzip.load`` returns for a lossy export)."""
+    return dequantize_tree(_load_tree(path), dtype, device, os.fspath(path))
 
 
 def load_codes(path: Any) -> dict[str, Any]:
@@ -280,5 +291,5 @@ def load_codes(path: Any) -> dict[str, Any]:
     return dict(_load_tree(path))
 
 
-__all__ = ["export", "is_lossy", "ensure_lossless", "load_lossy", "load_codes",
+__all__ = ["export", "is_lossy", "ensure_lossless", "load_lossy", "load_codes", "dequantize_tree",
            "SchemeError", "FORMAT"]
