@@ -348,3 +348,20 @@ def test_ckptzip_load_dequantizes_a_lossy_export(tmp_path):
     assert any(v.dtype == torch.bfloat16 for v in got.values())
     f32 = ckptzip.load(p, dtype=torch.float32)
     assert all(v.dtype != torch.bfloat16 for k, v in f32.items() if k in ex.load_codes(p)["tensors"])
+
+
+def test_manager_and_incremental_save_refuse_lossy(tmp_path):
+    from ckptzip.lossy import LossyCheckpointError
+    m = ckptzip.CheckpointManager(tmp_path / "run")
+    m.save(1, {"w": torch.randn(64, 64)})
+    ex.export(m.path(1), tmp_path / "l.ckz", scheme="int8")
+    import shutil
+    shutil.copy(tmp_path / "l.ckz", m.path(1))  # a lossy file where a checkpoint was
+    import json
+    marker = json.loads(open(m._marker(1)).read())
+    marker["bytes"] = (tmp_path / "l.ckz").stat().st_size
+    open(m._marker(1), "w").write(json.dumps(marker))
+    with pytest.raises(LossyCheckpointError):
+        m.load(1)
+    with pytest.raises(LossyCheckpointError):
+        ckptzip.save({"w": torch.randn(64, 64)}, tmp_path / "x.ckz", base=tmp_path / "l.ckz")

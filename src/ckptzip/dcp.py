@@ -830,6 +830,10 @@ class Reader(_PathId, StorageReader):
                 ent = None
             if ent is None:
                 ent = readers[str(device)] = [ckptzip.open(path, map_location=device), 0]
+                if ent[0].metadata.get("ckptzip.lossy") == "1":  # not a rank file of ours: never resume from it
+                    from .lossy.errors import LossyCheckpointError
+                    ent[0].close()
+                    raise LossyCheckpointError(f"{path} is a lossy weights-only export, not a rank file")
             try:
                 t = ent[0].get_tensor(key)
             except KeyError:

@@ -34,6 +34,10 @@ def manifest_sha256(raw: bytes) -> str:
 
 def record_for(base_reader: Any, base_path: str, target: Any) -> dict[str, Any]:
     """The ``bases`` record of a file written at ``target`` against ``base_reader``."""
+    if base_reader.metadata.get("ckptzip.lossy") == "1":
+        from .lossy.errors import LossyCheckpointError
+        raise LossyCheckpointError(f"{base_path} is a lossy weights-only export and cannot be the base "
+                                   f"of a checkpoint; use a lossless checkpoint")
     if not isinstance(target, (str, os.PathLike)) or is_url(os.fspath(target)) or is_url(base_path):
         raise ValueError("incremental saves (base=) need local paths for the file and its base")
     if os.path.abspath(os.fspath(target)) == os.path.abspath(base_path):

@@ -500,6 +500,8 @@ class CheckpointManager:
             return self._load_dcp(step, state, **kwargs)
         if state is not None:
             raise TypeError(f"step {step} is a single-file checkpoint: load it without state=")
+        from .lossy import ensure_lossless
+        ensure_lossless(self.path(step))  # never resume from a lossy weights-only export
         return load(self.path(step), **kwargs)
 
     def _load_dcp(self, step: int, state: Any, planner: Any = None, **reader_kwargs: Any) -> Any:
