@@ -438,3 +438,12 @@ def test_resume_paths_refuse_lossy_files(tmp_path):
     from ckptzip.lightning import CkptzipCheckpointIO
     with pytest.raises(LossyCheckpointError):
         CkptzipCheckpointIO().load_checkpoint(p)
+
+
+def test_both_budgets_size_wins_and_loss_is_reported(tmp_path):
+    sd, eval_fn = _interacting(n=5, seed=5)
+    for target in (3.5, 5.0):
+        r = ex.export(sd, tmp_path / "b.ckz", scheme="auto", bpw=target, max_loss_increase=0.001,
+                      eval_fn=eval_fn, force=True)
+        assert r["bpw"] <= target
+        assert r["loss"]["met"] == (r["loss"]["measured"] - 1.0 <= 0.001)

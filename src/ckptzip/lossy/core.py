@@ -203,10 +203,19 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
                                   f"({correction['size']['stored_bits'] / max(n_weights, 1):.3f} bits per weight)")
             if eval_fn is not None and max_damage is None:
                 choice, correction["size"]["guard"] = _uniform_guard(choice, budget_bits)
-            budget_bits = min(budget_bits, predicted_bits(choice)) if max_damage is not None else budget_bits
         if correct and max_damage is not None and eval_fn is not None:
-            choice, correction["loss"] = alloc.correct_loss(eff, lambda c: joint_loss(c) - base, max_damage,
-                                                            budget_bits=budget_bits, max_evals=max_evals)
+            target = budget_bits
+            cap = None if target is None else target - max(correction["size"]["stored_bits"] - predicted_bits(choice), 0.0)
+            for _ in range(3 if cap is not None else 1):
+                choice, correction["loss"] = alloc.correct_loss(eff, lambda c: joint_loss(c) - base, max_damage,
+                                                                budget_bits=cap, max_evals=max_evals)
+                if cap is None or not measure:
+                    break
+                stored = 8 * _measure_stored(_codes_tree(choice))
+                correction["size"]["stored_bits"], correction["size"]["met"] = stored, stored <= target
+                if stored <= target:
+                    break
+                cap -= 1.1 * (stored - target)  # both budgets: the size wins, the loss is reported
     elif isinstance(scheme, Mapping):  # an explicit per-tensor choice (e.g. from alloc.allocate)
         missing = [n for n in quant_names if n not in scheme]
         if missing:
