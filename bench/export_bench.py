@@ -90,6 +90,12 @@ def main() -> None:
     ap.add_argument("--corpus-mb", type=int, default=64)
     ap.add_argument("--uniform", default=",".join(UNIFORM), help="uniform RTN schemes, comma separated")
     ap.add_argument("--loss-budgets", default="0.001,0.0005", help="max_loss_increase values for the allocation")
+    ap.add_argument("--uniform-search", action="store_true",
+                    help="also run every uniform scheme with the clipping search the allocation uses "
+                         "(like for like); the allocation rows then target those sizes")
+    ap.add_argument("--damage-model", default="measured", choices=("fit", "measured"),
+                    help="alloc.effective model of the single-tensor damages")
+    ap.add_argument("--max-evals", type=int, default=8, help="joint evals of the loss-budget correction")
     ap.add_argument("--out", default="export_bench.json")
     args = ap.parse_args()
     dev = args.device
@@ -110,17 +116,21 @@ def main() -> None:
     d = tempfile.mkdtemp()
     rows = []
 
-    def run(label, scheme, predicted=None, **kw):
+    def run(label, scheme, target=None, **kw):
         p = os.path.join(d, "x.ckz")
         r = ex.export(state, p, scheme=scheme, force=True, eval_fn=eval_fn, device=dev, **kw)
+        lp = r["loss"]["predicted"]
+        lc = r.get("correction", {}).get("loss")
         row = {"variant": label, "x_vs_full": full_bytes / r["dst_bytes"], "bytes": r["dst_bytes"],
-               "bpw": r["bpw"], "bpw_est": r["bpw_est"], "loss": r["loss"]["measured"],
+               "bpw": r["bpw"], "bpw_est": r["bpw_est"], "target_bpw": target, "loss": r["loss"]["measured"],
                "loss_change_pct": r["loss"]["change_pct"],
-               "predicted_change_pct": None if predicted is None else 100 * predicted / base,
+               "predicted_change_pct": None if lp is None else 100 * (lp - r["loss"]["base"]) / r["loss"]["base"],
+               "correction_evals": None if lc is None else lc["evals"],
+               "correction": r.get("correction"),
                "schemes": {s: sum(1 for q in r["quantized"].values() if q["scheme"] == s)
                            for s in sorted({q["scheme"] for q in r["quantized"].values()})}}
         rows.append(row)
-        print(f"{label:32s} x{row['x_vs_full']:6.2f}  bpw {row['bpw']:.3f}  loss {row['loss_change_pct']:+.3f} %",
+        print(f"{label:40s} x{row['x_vs_full']:6.2f}  bpw {row['bpw']:.3f}  loss {row['loss_change_pct']:+.3f} %",
               file=sys.stderr)
         return r
 
@@ -128,19 +138,21 @@ def main() -> None:
     uniform = {}
     for s in [u for u in args.uniform.split(",") if u]:
         uniform[s] = run(f"uniform RTN {s}", s, search=False)
+        if args.uniform_search:
+            uniform[s] = run(f"uniform clip-search {s}", s, search=True)
     # the sensitivity table: each tensor x each candidate, measured once, reused for every budget
     t1 = time.time()
     table, base2 = alloc.measure({k: v.to(dev) for k, v in weights.items()}, names, alloc.AUTO_CANDIDATES, eval_fn)
     measure_s = time.time() - t1
-    n_w = sum(weights[n].numel() for n in names)
+    common = dict(sensitivity=table, damage_model=args.damage_model, max_evals=args.max_evals)
     for s, r in uniform.items():
         if s == "fp8":
             continue
-        choice = alloc.allocate(table, budget_bits=r["bpw_est"] * n_w)
-        run(f"allocation @ {s} size", choice, predicted=alloc.predicted(table, choice)[1])
+        # budget: the *stored* bpw of the uniform run; the allocation's stored bpw stays <= it
+        run(f"allocation @ {s} size", "auto", target=r["bpw"], bpw=r["bpw"], **common)
     for lb in [float(x) for x in args.loss_budgets.split(",") if x]:
-        choice = alloc.allocate(table, max_damage=lb * base2)
-        run(f"allocation loss <= +{100 * lb:g} %", choice, predicted=alloc.predicted(table, choice)[1])
+        run(f"allocation loss <= +{100 * lb:g} %, uncorrected", "auto", max_loss_increase=lb, correct=False, **common)
+        run(f"allocation loss <= +{100 * lb:g} %, corrected", "auto", max_loss_increase=lb, **common)
 
     # export time of the full state, without eval (state on the device, second call timed)
     times = {}
@@ -166,12 +178,16 @@ def main() -> None:
         json.dump(out, f, indent=1)
     print(f"\n{out['device']}, {out['params'] / 1e6:.1f} M params, {args.steps} steps, full training state "
           f"{full_bytes / 1e6:,.1f} MB, held-out loss {base:.4f}\n")
-    print("| weights as | x vs full state | bpw stored | bpw entropy | held-out loss change | predicted | schemes |")
-    print("|---|---|---|---|---|---|---|")
+    print("| weights as | x vs full state | bpw stored | target bpw | bpw entropy | held-out loss change "
+          "| predicted (additive) | joint evals | schemes |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         pred = "" if r["predicted_change_pct"] is None else f"{r['predicted_change_pct']:+.3f} %"
+        tgt = "" if r["target_bpw"] is None else f"{r['target_bpw']:.3f}"
+        ev = "" if r["correction_evals"] is None else str(r["correction_evals"])
         sch = ", ".join(f"{k} x{v}" for k, v in r["schemes"].items())
-        print(f"| {r['variant']} | {r['x_vs_full']:.1f} | {r['bpw']:.3f} | {r['bpw_est']:.3f} | {r['loss_change_pct']:+.3f} % | {pred} | {sch} |")
+        print(f"| {r['variant']} | {r['x_vs_full']:.1f} | {r['bpw']:.3f} | {tgt} | {r['bpw_est']:.3f} "
+              f"| {r['loss_change_pct']:+.3f} % | {pred} | {ev} | {sch} |")
     print("\nexport time of the full state (no eval): " + ", ".join(f"{k} {v:.2f} s" for k, v in times.items())
           + f"; sensitivity measurement {measure_s:.1f} s")
 

@@ -265,19 +265,123 @@ def _tiny_task():
     return {k: v.detach().clone() for k, v in m.state_dict().items()}, eval_fn
 
 
+@functools.lru_cache(maxsize=1)
+def _deep_task():
+    """A 5-layer MLP (5 matrices) trained under one epoch on a nonlinear teacher (not overfit:
+    quantization noise does not lower its held-out loss); held-out cross-entropy as eval_fn."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(22000, 16, generator=g)
+    y = (torch.tanh(x @ torch.randn(16, 16, generator=g)) @ torch.randn(16, 8, generator=g)
+         + 0.3 * torch.randn(22000, 8, generator=g)).argmax(1)
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 96), nn.ReLU()]
+    for _ in range(3):
+        layers += [nn.Linear(96, 96), nn.ReLU()]
+    m = nn.Sequential(*layers, nn.Linear(96, 8))
+    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+    for _ in range(300):
+        idx = torch.randint(0, 20000, (128,), generator=g)
+        loss = F.cross_entropy(m(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    xh, yh = x[20000:], y[20000:]
+
+    def eval_fn(weights):
+        with torch.no_grad():
+            return float(F.cross_entropy(torch.func.functional_call(m, {k: v.float() for k, v in weights.items()}, (xh,)), yh))
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}, eval_fn
+
+
+DEEP_CANDS = ("int2-g32", "int3-g32", "int4-g32", "int5-g32", "int6-g32", "int8-g32")
+
+
+@functools.lru_cache(maxsize=1)
+def _deep_table():
+    from ckptzip.lossy import alloc
+    sd, eval_fn = _deep_task()
+    return alloc.measure(sd, [k for k, v in sd.items() if v.ndim >= 2], DEEP_CANDS, eval_fn)[0]
+
+
 def test_sensitivity_allocation_beats_uniform_at_equal_size(tmp_path):
-    sd, eval_fn = _tiny_task()
-    cands = ("int2-g32", "int3-g32", "int4-g32", "int6-g32", "int8-g32")
-    for uni in ("int3-g32", "int4-g32"):
+    """At the stored size of uniform int3/int4/int5/int6 (same clipping search), the allocation's
+    stored bpw stays <= the uniform one and its measured held-out loss is no worse."""
+    sd, eval_fn = _deep_task()
+    wins = 0
+    for uni in ("int3-g32", "int4-g32", "int5-g32", "int6-g32"):
         u = ex.export(sd, tmp_path / f"u{uni}.ckz", scheme=uni, eval_fn=eval_fn)
-        a = ex.export(sd, tmp_path / f"a{uni}.ckz", scheme="auto", bpw=u["bpw_est"], eval_fn=eval_fn,
-                      candidates=cands)
-        assert a["bpw_est"] <= u["bpw_est"] + 1e-9
-        assert a["loss"]["measured"] < u["loss"]["measured"], (uni, a["loss"], u["loss"])
-        assert a["loss"]["predicted"] is not None
-    # loss budget: the cheapest choice within +1 %
-    b = ex.export(sd, tmp_path / "b.ckz", scheme="auto", max_loss_increase=0.01, eval_fn=eval_fn, candidates=cands)
-    assert b["loss"]["predicted"] - b["loss"]["base"] <= 0.01 * b["loss"]["base"] + 1e-12
+        a = ex.export(sd, tmp_path / f"a{uni}.ckz", scheme="auto", bpw=u["bpw"], eval_fn=eval_fn,
+                      candidates=DEEP_CANDS, sensitivity=_deep_table())
+        assert a["bpw"] <= u["bpw"], (uni, a["bpw"], u["bpw"])
+        assert a["loss"]["measured"] <= u["loss"]["measured"], (uni, a["loss"], u["loss"])
+        assert a["loss"]["predicted"] is not None and a["correction"]["size"]["met"]
+        wins += a["loss"]["measured"] < u["loss"]["measured"] - 1e-4
+    assert wins >= 2  # never worse at the 4 sizes (int3: the guard may pick uniform), strictly better at 2+
+    # loss budget: measured on the joint choice (not only predicted), and met
+    b = ex.export(sd, tmp_path / "b.ckz", scheme="auto", max_loss_increase=0.005, eval_fn=eval_fn,
+                  candidates=DEEP_CANDS, sensitivity=_deep_table())
+    assert b["loss"]["measured"] - b["loss"]["base"] <= 0.005 * b["loss"]["base"]
+    assert b["loss"]["met"] and 1 <= b["correction"]["loss"]["evals"] <= 8
+
+
+def _interacting(n=6, seed=3):
+    """Weights and an eval whose damages interact: loss = 1 + c * (sum_t relerr_t)^2, so the
+    joint increase is up to n times the sum of the single-tensor increases c * relerr_t^2."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {f"l{i}.weight": torch.randn(64 * (1 + i % 3), 128, generator=g) * 0.02 for i in range(n)}
+    ref = {k: v.clone() for k, v in sd.items()}
+
+    def eval_fn(w):
+        s = sum(float((w[k].float() - ref[k]).norm() / ref[k].norm()) for k in ref)
+        return 1.0 + 0.5 * s * s
+    return sd, eval_fn
+
+
+def test_loss_budget_correction_meets_measured_budget(tmp_path):
+    sd, eval_fn = _interacting()
+    cands = ("int2-g32", "int3-g32", "int4-g32", "int5-g32", "int6-g32", "int8-g32")
+    for budget in (0.002, 0.0005):
+        raw = ex.export(sd, tmp_path / "r.ckz", scheme="auto", max_loss_increase=budget, eval_fn=eval_fn,
+                        candidates=cands, correct=False, force=True)
+        assert raw["loss"]["predicted"] - 1.0 <= budget + 1e-12  # the additive prediction is met ...
+        assert raw["loss"]["measured"] - 1.0 > budget             # ... the measured increase is not
+        cor = ex.export(sd, tmp_path / "c.ckz", scheme="auto", max_loss_increase=budget, eval_fn=eval_fn,
+                        candidates=cands, force=True)
+        c = cor["correction"]["loss"]
+        assert cor["loss"]["measured"] - 1.0 <= budget and cor["loss"]["met"] and c["met"]
+        assert 2 <= c["evals"] <= 8
+        assert cor["bpw_est"] > raw["bpw_est"]  # it backed off to safer schemes
+        assert c["rounds"][0]["measured"] > budget  # round 0 is the uncorrected greedy choice
+        # the reported figure is the loss of what was written
+        assert abs(eval_fn(ex.load_lossy(tmp_path / "c.ckz")) - cor["loss"]["measured"]) < 1e-6
+
+
+@pytest.mark.parametrize("mode", ["proxy", "eval"])
+def test_size_target_is_never_exceeded(tmp_path, mode):
+    sd, eval_fn = _interacting(n=5, seed=4)
+    kw = {"eval_fn": eval_fn} if mode == "eval" else {}
+    with pytest.raises(ex.BudgetError, match="smallest stored"):  # int2-g32 stores ~2.8 bpw here
+        ex.export(sd, tmp_path / "low.ckz", scheme="auto", bpw=2.6, force=True, **kw)
+    for i, target in enumerate((2.9, 3.3, 4.2, 4.9, 6.0, 7.95, 9.0)):
+        r = ex.export(sd, tmp_path / f"s{i}.ckz", scheme="auto", bpw=target, force=True, **kw)
+        assert r["bpw"] <= target, (target, r["bpw"], r["correction"])
+        assert r["bpw"] >= target - 0.6, (target, r["bpw"])  # and spends most of it
+    # the int8 size: the old allocation stopped far below it (negative/zero damages ended the walk)
+    u = ex.export(sd, tmp_path / "u.ckz", scheme="int8-g128", **kw)
+    a = ex.export(sd, tmp_path / "a.ckz", scheme="auto", bpw=u["bpw"], **kw)
+    assert u["bpw"] - 0.25 <= a["bpw"] <= u["bpw"]
+
+
+def test_effective_damage_ties_spend_the_budget():
+    from ckptzip.lossy import alloc
+    # b's measured damages are noise (<= 0): clamped at 0 the hull walk never upgraded it
+    table = {"a": {"x": {"bits": 10, "damage": 5.0, "err": 0.3}, "y": {"bits": 20, "damage": 0.0, "err": 0.01}},
+             "b": {"x": {"bits": 10, "damage": -1e-4, "err": 0.3}, "y": {"bits": 20, "damage": -2e-4, "err": 0.01}}}
+    for model in ("fit", "measured"):
+        assert alloc.allocate(alloc.effective(table, model), budget_bits=40) == {"a": "y", "b": "y"}
+    # a jump off the hull that fits the leftover bits is taken
+    t2 = {"a": {"x": {"bits": 10, "damage": 5.0}, "y": {"bits": 25, "damage": 1.0}, "z": {"bits": 40, "damage": 0.0}}}
+    assert alloc.allocate(t2, budget_bits=26) == {"a": "y"}
 
 
 def test_proxy_allocation_without_eval_fn(tmp_path):
@@ -365,3 +469,12 @@ def test_manager_and_incremental_save_refuse_lossy(tmp_path):
         m.load(1)
     with pytest.raises(LossyCheckpointError):
         ckptzip.save({"w": torch.randn(64, 64)}, tmp_path / "x.ckz", base=tmp_path / "l.ckz")
+
+
+def test_both_budgets_size_wins_and_loss_is_reported(tmp_path):
+    sd, eval_fn = _interacting(n=5, seed=5)
+    for target in (3.5, 5.0):
+        r = ex.export(sd, tmp_path / "b.ckz", scheme="auto", bpw=target, max_loss_increase=0.001,
+                      eval_fn=eval_fn, force=True)
+        assert r["bpw"] <= target
+        assert r["loss"]["met"] == (r["loss"]["measured"] - 1.0 <= 0.001)

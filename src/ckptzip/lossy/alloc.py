@@ -5,7 +5,12 @@ codes + scales + zeros) and a damage d[t][o]:
   * with ``eval_fn``: the measured loss increase when only t is quantized with o (others exact);
   * without: a calibration-free proxy, the relative squared error ||W - Q(W)||^2 / ||W||^2 times a
     role weight (ROLE_WEIGHTS: embeddings and the output head count 4x, other matrices 1x).
-Damages are assumed additive. The search keeps, per tensor, the lower convex hull of its
+Damages are assumed additive when choosing; they are not (quantizing several tensors interacts),
+so export() re-measures the joint choice and corrects it (``correct_loss``). Single-tensor damages
+near the eval noise floor are noisy (and often negative); ``effective()`` replaces them by a
+per-tensor fit ``k_t * err^2`` (``model="fit"``) or clamps them at 0 (``model="measured"``), plus
+a tiny ``err^2`` tie-break so that a bit budget is always spent on the largest remaining error.
+The search keeps, per tensor, the lower convex hull of its
 (cost, damage) points and applies hull upgrades across all tensors in order of damage saved per
 bit (the Lagrangian / greedy solution of the multiple-choice knapsack), until the bit budget is
 spent (``bpw``) or the predicted loss increase is within budget (``max_loss_increase``).
@@ -111,7 +116,155 @@ def allocate(table: dict[str, dict[str, dict[str, float]]], *, budget_bits: floa
         bits += dc
         dmg -= max(table[n][a]["damage"], 0.0) - max(table[n][b]["damage"], 0.0)
         choice[n] = b
+    if budget_bits is not None and (max_damage is None or dmg > max_damage):
+        _fill(table, choice, budget_bits - bits)
     return choice
+
+
+def _fill(table: dict, choice: dict[str, str], left: float) -> None:
+    """Spend bits the hull walk left over (a tensor whose next hull step did not fit may still
+    fit a scheme off the hull, or a jump over several steps): repeatedly take the single change
+    with the largest damage reduction that fits the leftover bits."""
+    while True:
+        best = None
+        for n, opts in table.items():
+            c0, d0 = opts[choice[n]]["bits"], max(opts[choice[n]]["damage"], 0.0)
+            for s, r in opts.items():
+                dc, dd = r["bits"] - c0, d0 - max(r["damage"], 0.0)
+                if dd > 0 and dc <= left and (best is None or dd > best[0]):
+                    best = (dd, n, s, dc)
+        if best is None:
+            return
+        _, n, s, dc = best
+        choice[n] = s
+        left -= dc
+
+
+def effective(table: dict[str, dict[str, dict[str, float]]], model: str = "fit") -> dict:
+    """A copy of ``table`` whose ``damage`` is what allocate() should optimize (the measured value
+    stays in ``damage_measured``).
+
+    ``"fit"``: per tensor, the least-squares ``k_t`` of ``damage ~ k_t * err^2`` over its schemes
+    (dominated by the cheap schemes, whose damages stand far above the eval noise), so that the
+    near-lossless schemes get a smooth, positive damage instead of noise; ``"measured"``: the
+    measured damage clamped at 0. Both add ``1e-6 * (median k) * err^2`` (never 0), which only
+    breaks ties: leftover bits go to the largest errors, instead of stopping where noise said 0."""
+    if model not in ("fit", "measured"):
+        raise ValueError(f"damage model must be 'fit' or 'measured', not {model!r}")
+    ks = {}
+    for n, opts in table.items():
+        num = sum(r["damage"] * r["err"] ** 2 for r in opts.values())
+        den = sum(r["err"] ** 4 for r in opts.values())
+        ks[n] = max(num / den, 0.0) if den > 0 else 0.0
+    pos = sorted(k for k in ks.values() if k > 0)
+    tie = 1e-6 * (pos[len(pos) // 2] if pos else 1.0)
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for n, opts in table.items():
+        out[n] = {}
+        for s, r in opts.items():
+            e2 = r["err"] ** 2
+            d = ks[n] * e2 if model == "fit" else max(r["damage"], 0.0)
+            out[n][s] = {**r, "damage": d + tie * e2, "damage_measured": r["damage"]}
+    return out
+
+
+def cheapest(table: dict) -> dict[str, str]:
+    """Every tensor at its cheapest scheme."""
+    return {n: min(o, key=lambda s: o[s]["bits"]) for n, o in table.items()}
+
+
+def correct_loss(table: dict, joint_damage: Callable[[dict[str, str]], float], max_damage: float, *,
+                 budget_bits: float | None = None, max_evals: int = 8, slack: float = 0.85
+                 ) -> tuple[dict[str, str], dict[str, Any]]:
+    """Meet a loss budget measured on the joint choice, not on the sum of single-tensor damages.
+
+    Round 0 is the greedy choice for the predicted budget ``tau = max_damage``. Each round measures
+    ``D = joint_damage(choice)`` (one eval) and scales the predicted damages by the observed ratio
+    ``r = D / predicted`` (the interaction correction): the next target is ``tau = slack *
+    max_damage / r``. allocate() then moves the tensors with the largest damage per saved bit to
+    their next safer scheme (a batch: all upgrades until the scaled prediction fits), or back
+    when the choice was well within budget. Targets stay strictly between the largest feasible
+    and the smallest infeasible tau tried (bisection when the ratio step would leave that bracket).
+    Stops after ``max_evals`` evals, or when a feasible choice uses >= ``slack`` of the budget.
+    Returns the feasible choice with the fewest estimated bits (else the one with the least
+    measured damage; ``info["met"]`` says which) and ``info`` with every round."""
+    rounds: list[dict[str, Any]] = []
+    seen: dict[tuple, float] = {}
+    ok_tau, bad_tau = None, None
+    tau = max_damage
+    for _ in range(max_evals):
+        choice = allocate(table, budget_bits=budget_bits, max_damage=tau)
+        key = tuple(sorted(choice.items()))
+        bits, pred = predicted(table, choice)
+        if key in seen:  # the same choice again: nothing new to learn, stop
+            break
+        d = float(joint_damage(choice))
+        seen[key] = d
+        rounds.append({"tau": tau, "bits": bits, "predicted": pred, "measured": d, "choice": choice})
+        if d <= max_damage:
+            ok_tau = tau if ok_tau is None else max(ok_tau, tau)
+            if d >= slack * max_damage:
+                break
+        else:
+            bad_tau = tau if bad_tau is None else min(bad_tau, tau)
+        if d > 0 and pred > 0:
+            new = slack * max_damage * pred / d  # tau for which the scaled prediction meets the budget
+        else:
+            new = tau * 2 if tau > 0 else max_damage  # no damage measured: try fewer bits
+        lo = ok_tau if ok_tau is not None else 0.0
+        if bad_tau is not None and not (lo < new < bad_tau):
+            new = 0.5 * (lo + bad_tau)
+        elif bad_tau is None and new <= lo:
+            new = 2 * lo if lo > 0 else max_damage
+        if bad_tau is not None and ok_tau is not None and bad_tau - ok_tau <= 1e-3 * max_damage:
+            break
+        if abs(new - tau) <= 1e-12 * max(abs(tau), 1e-30):
+            break
+        tau = new
+    feas = [r for r in rounds if r["measured"] <= max_damage]
+    best = min(feas, key=lambda r: r["bits"]) if feas else min(rounds, key=lambda r: r["measured"])
+    info = {"met": bool(feas), "evals": len(rounds), "measured": best["measured"], "predicted": best["predicted"],
+            "rounds": [{k: v for k, v in r.items() if k != "choice"} for r in rounds]}
+    return best["choice"], info
+
+
+def target_size(table: dict, stored_bits: Callable[[dict[str, str]], float], target_bits: float, *,
+                max_damage: float | None = None, rounds: int = 8, tol: float = 0.003
+                ) -> tuple[dict[str, str], dict[str, Any]]:
+    """The allocation whose *stored* bits (``stored_bits(choice)``, e.g. the measured size of the
+    saved codes) are as large as possible but never above ``target_bits``.
+
+    The allocation budgets estimated bits; stored bits differ by the container and entropy-coder
+    overhead (about +0.03..0.1 bpw). Each round allocates for an estimated budget ``b``, measures
+    the stored size ``S`` and moves ``b`` by the miss (``b += target - S``, bisecting inside the
+    bracket of budgets known to fit / to overshoot). Stops within ``tol`` below the target. If
+    nothing fits after ``rounds`` rounds, the cheapest choice (``info["met"]`` says whether it fits)."""
+    fit_b, over_b, best = None, None, None
+    hist: list[dict[str, Any]] = []
+    b = target_bits
+    for _ in range(rounds):
+        choice = allocate(table, budget_bits=b, max_damage=max_damage)
+        s = float(stored_bits(choice))
+        hist.append({"budget_est_bits": b, "stored_bits": s})
+        if s <= target_bits:
+            fit_b = b if fit_b is None else max(fit_b, b)
+            if best is None or s > best[1]:
+                best = (choice, s)
+            if target_bits - s <= tol * target_bits or max_damage is not None:
+                break  # close enough (with a loss budget, fewer bits than the target are fine)
+        else:
+            over_b = b if over_b is None else min(over_b, b)
+        new = b + (target_bits - s) * (1.002 if s > target_bits else 0.95)
+        if over_b is not None and new >= over_b:
+            new = 0.5 * ((fit_b if fit_b is not None else new) + over_b) if fit_b is not None else over_b - 1.5 * (s - target_bits)
+        if fit_b is not None and new <= fit_b:
+            break
+        b = new
+    if best is None:
+        choice = cheapest(table)
+        best = (choice, float(stored_bits(choice)))
+        hist.append({"budget_est_bits": None, "stored_bits": best[1]})
+    return best[0], {"met": best[1] <= target_bits, "stored_bits": best[1], "rounds": hist}
 
 
 def predicted(table: dict, choice: dict[str, str]) -> tuple[float, float]:

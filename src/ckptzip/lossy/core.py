@@ -79,7 +79,9 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
            keep: Iterable[str] = (), model_key: str | None = None, format: str = "ckz",  # noqa: A002
            force: bool = False, progress: Progress | None = None, nonfinite: str = "refuse",
            dtype: torch.dtype = torch.bfloat16, device: str | None = None,
-           candidates: Iterable[str] | None = None, search: bool = True, measure: bool = True) -> dict[str, Any]:
+           candidates: Iterable[str] | None = None, search: bool = True, measure: bool = True,
+           sensitivity: Mapping[str, Any] | None = None, damage_model: str = "measured", correct: bool = True,
+           max_evals: int = 8) -> dict[str, Any]:
     """Write a weights-only lossy export of ``src`` to ``dst`` and return the report.
 
     ``scheme``: ``"auto"`` (per-tensor allocation), or one scheme for every quantizable tensor
@@ -91,6 +93,12 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
     NonFiniteWeightError naming the tensor) or ``"keep"`` (store such tensors exactly).
     ``format``: ``"ckz"`` (one lossy .ckz) or ``"compressed-tensors"`` (a directory). The library
     prints nothing; ``progress(done, total)`` is called as tensors are measured and quantized.
+
+    ``scheme="auto"`` options: ``sensitivity``: a table from ``alloc.measure`` (same candidates,
+    same eval_fn) to reuse instead of measuring again; ``damage_model``: ``"fit"`` or ``"measured"``
+    (alloc.effective); ``correct``: re-measure the joint choice and back off until the measured
+    loss increase is within ``max_loss_increase`` (at most ``max_evals`` evals); with ``bpw`` and
+    ``measure``, the stored bpw is brought to the largest value <= ``bpw``.
     """
     t0 = time.perf_counter()
     dst = os.fspath(dst)
@@ -109,8 +117,54 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
     n_weights = sum(work[n].numel() for n in quant_names)
     t_load = time.perf_counter() - t0
 
+    # -- quantized entries, cached per (tensor, scheme): the correction rounds and the final
+    # export use the very same codes
+    cache: dict[tuple[str, str], dict] = {}
+
+    def entry(n: str, s: str) -> dict:
+        if (n, s) not in cache:
+            e = quantize(work[n], s, search=search, name=n)
+            e["q"]["bits_est"] = estimate_bits(e)
+            cache[(n, s)] = e
+        return cache[(n, s)]
+
+    def _codes_tree(c: Mapping[str, str]) -> dict:
+        return {"tensors": {n: {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+                                for k, v in entry(n, c[n]).items() if k in ("codes", "scales", "zeros")}
+                            for n in quant_names}}
+
+    def predicted_bits(c: Mapping[str, str]) -> float:
+        return sum(table[n][c[n]]["bits"] for n in quant_names)
+
+    def joint_loss(c: Mapping[str, str]) -> float:
+        full = dict(weights)
+        for n in quant_names:
+            full[n] = dequantize(entry(n, c[n]), dtype=dtype, device=weights[n].device).to(weights[n].dtype)
+        return float(eval_fn(full))
+
+    def _uniform_guard(choice: dict[str, str], target_bits: float) -> tuple[dict[str, str], dict[str, Any]]:
+        """Single-tensor damages miss interactions (at 2-3 bits they add up super-linearly), so with
+        eval_fn the allocation is compared, measured jointly, with the largest uniform candidate
+        whose stored size also fits; the better of the two is kept (two evals)."""
+        fits = []
+        for s in sorted(cands, key=lambda s: -sum(table[n][s]["bits"] for n in quant_names)):
+            u = {n: s for n in quant_names}
+            if sum(table[n][s]["bits"] for n in quant_names) <= target_bits * 1.05 and \
+                    8 * _measure_stored(_codes_tree(u)) <= target_bits:
+                fits.append(u)
+                break
+        info: dict[str, Any] = {"allocation": joint_loss(choice) - base}
+        if fits:
+            info["uniform"], info["uniform_scheme"] = joint_loss(fits[0]) - base, next(iter(fits[0].values()))
+            if info["uniform"] < info["allocation"]:
+                info["picked"] = "uniform"
+                return fits[0], info
+        info["picked"] = "allocation"
+        return choice, info
+
     # -- choose schemes --------------------------------------------------------------------
-    table, base, mode = None, None, "uniform"
+    table, base, mode, eff = None, None, "uniform", None
+    correction: dict[str, Any] = {}
     if isinstance(scheme, str) and scheme == "auto":
         if max_loss_increase is not None and eval_fn is None:
             raise BudgetError("max_loss_increase needs eval_fn (a loss on held-out data); use bpw= without one")
@@ -122,8 +176,15 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
         cands = tuple(candidates or alloc.AUTO_CANDIDATES)
         for n in quant_names:
             check_scheme_dtype(n, work[n], parse_scheme(cands[0]))
-        full = {**{k: v.to(dev) for k, v in weights.items() if k not in work}, **work}
-        table, base = alloc.measure(full, quant_names, cands, eval_fn, progress, dtype, eval_weights=weights)
+        if sensitivity is not None:
+            table = {n: dict(sensitivity[n]) for n in quant_names if n in sensitivity}
+            if len(table) != len(quant_names) or any(not set(cands) <= set(table[n]) for n in table):
+                raise ExportError("sensitivity table does not cover every quantized tensor and candidate")
+            table = {n: {s: table[n][s] for s in cands} for n in table}
+            base = float(eval_fn(dict(weights))) if eval_fn is not None else None
+        else:
+            full = {**{k: v.to(dev) for k, v in weights.items() if k not in work}, **work}
+            table, base = alloc.measure(full, quant_names, cands, eval_fn, progress, dtype, eval_weights=weights)
         budget_bits = None if bpw is None else bpw * n_weights
         if budget_bits is not None:
             cheapest = sum(min(r["bits"] for r in table[n].values()) for n in quant_names)
@@ -131,8 +192,30 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
                 raise BudgetError(f"bpw {bpw} is below the cheapest allocation "
                                   f"({cheapest / max(n_weights, 1):.3f} bits per weight)")
         max_damage = None if max_loss_increase is None else max_loss_increase * abs(base)
-        choice = alloc.allocate(table, budget_bits=budget_bits, max_damage=max_damage)
         mode = "eval" if eval_fn is not None else "proxy"
+        eff = alloc.effective(table, damage_model) if mode == "eval" else table
+        choice = alloc.allocate(eff, budget_bits=budget_bits, max_damage=max_damage)
+        if correct and budget_bits is not None and measure:
+            choice, correction["size"] = alloc.target_size(
+                eff, lambda c: 8 * _measure_stored(_codes_tree(c)), budget_bits, max_damage=max_damage)
+            if not correction["size"]["met"]:
+                raise BudgetError(f"bpw {bpw} is below the smallest stored allocation "
+                                  f"({correction['size']['stored_bits'] / max(n_weights, 1):.3f} bits per weight)")
+            if eval_fn is not None and max_damage is None:
+                choice, correction["size"]["guard"] = _uniform_guard(choice, budget_bits)
+        if correct and max_damage is not None and eval_fn is not None:
+            target = budget_bits
+            cap = None if target is None else target - max(correction["size"]["stored_bits"] - predicted_bits(choice), 0.0)
+            for _ in range(3 if cap is not None else 1):
+                choice, correction["loss"] = alloc.correct_loss(eff, lambda c: joint_loss(c) - base, max_damage,
+                                                                budget_bits=cap, max_evals=max_evals)
+                if cap is None or not measure:
+                    break
+                stored = 8 * _measure_stored(_codes_tree(choice))
+                correction["size"]["stored_bits"], correction["size"]["met"] = stored, stored <= target
+                if stored <= target:
+                    break
+                cap -= 1.1 * (stored - target)  # both budgets: the size wins, the loss is reported
     elif isinstance(scheme, Mapping):  # an explicit per-tensor choice (e.g. from alloc.allocate)
         missing = [n for n in quant_names if n not in scheme]
         if missing:
@@ -150,8 +233,8 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
     # -- quantize --------------------------------------------------------------------------
     entries, rows = {}, {}
     for i, n in enumerate(quant_names):
-        e = quantize(work[n], choice[n], search=search, name=n)
-        e["q"]["bits_est"] = estimate_bits(e)
+        e = dict(entry(n, choice[n]))
+        e["q"] = dict(e["q"])
         if table is not None:
             e["q"]["loss_delta"] = table[n][choice[n]]["damage"] if mode == "eval" else None
             e["q"]["proxy"] = table[n][choice[n]]["damage"] if mode == "proxy" else None
@@ -172,10 +255,15 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
             base = float(eval_fn(full))
         for n, e in entries.items():
             full[n] = dequantize(e, dtype=dtype, device=weights[n].device).to(weights[n].dtype)
-        measured = float(eval_fn(full))
+        lc = correction.get("loss")
+        measured = float(eval_fn(full))  # one more eval of the exported codes: the reported figure
         loss.update(base=base, measured=measured, change_pct=100.0 * (measured - base) / abs(base))
         if table is not None and mode == "eval":
             loss["predicted"] = base + alloc.predicted(table, choice)[1]
+            if eff is not None:
+                loss["predicted_fit"] = base + alloc.predicted(eff, choice)[1]
+        if lc:
+            loss["met"] = (measured - base) <= max_loss_increase * abs(base)
 
     cpu_entries = {n: {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in e.items()}
                    for n, e in entries.items()}
@@ -190,6 +278,7 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
         "source_weight_bytes": sum(t.numel() * t.element_size() for t in weights.values()),
         "bpw_est": est_bits / max(n_weights, 1),
         "loss": loss,
+        "correction": _plain(correction),
         "time_s": {"load": t_load, "quantize": t_quant},
     }
     if measure and entries:
