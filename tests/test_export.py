@@ -394,11 +394,24 @@ def test_proxy_allocation_without_eval_fn(tmp_path):
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_source(tmp_path):
     dcp = pytest.importorskip("torch.distributed.checkpoint")
+    import ckptzip.dcp
     sd = _mlp().state_dict()
-    dcp.save({"model": dict(sd)}, checkpoint_id=str(tmp_path / "dcp"))
+    dcp.save({"model": dict(sd)}, storage_writer=ckptzip.dcp.Writer(tmp_path / "dcp"))
     r = ex.export(tmp_path / "dcp", tmp_path / "o.ckz", scheme="int8")
     assert set(r["quantized"]) == {"0.weight", "3.weight"}
     assert os.path.exists(tmp_path / "o.ckz")
+    # torch's own FileSystemWriter keeps its metadata as a pickle: refused, never run
+    dcp.save({"model": dict(sd)}, checkpoint_id=str(tmp_path / "native"))
+    with pytest.raises(ex.ExportError, match="pickle"):
+        ex.export(tmp_path / "native", tmp_path / "o2.ckz", scheme="int8")
+
+
+def test_torch_file_with_numpy_rng_state_is_read_without_pickle(tmp_path):
+    import numpy as np
+    sd = _mlp().state_dict()
+    torch.save({"model": sd, "np_rng": np.random.get_state(), "step": 3}, tmp_path / "m.pt")
+    r = ex.export(tmp_path / "m.pt", tmp_path / "o.ckz", scheme="int4")
+    assert set(r["quantized"]) == {"0.weight", "3.weight"}
 
 
 def test_explicit_scheme_mapping(tmp_path):

@@ -192,3 +192,20 @@ def test_incremental_manager_full_every_and_bases_kept(tmp_path, use_async):
         assert torch.equal(got["w16"].view(torch.int16), saved[s]["w16"].view(torch.int16))
     with pytest.raises(ValueError):
         ckptzip.CheckpointManager(tmp_path, incremental=True, full_every=0)
+
+
+def test_incremental_full_every_counts_saves_not_files_on_disk(tmp_path):
+    """With keep_last smaller than full_every, rotation removes older deltas; a full checkpoint
+    still comes every full_every saves (the delta index is recorded in each delta)."""
+    import ckptzip
+    torch.manual_seed(0)
+    w = torch.randn(20_000)
+    m = ckptzip.CheckpointManager(tmp_path, keep_last=2, incremental=True, full_every=4)
+    full = []
+    for step in range(10):
+        w += 1e-4 * torch.randn_like(w)
+        m.save(step, {"w": w.clone()})
+        if m.base_of(step) is None:
+            full.append(step)
+    assert full == [0, 4, 8]
+    assert torch.equal(m.load()["w"], w)

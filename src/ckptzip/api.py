@@ -43,7 +43,7 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
     * ``transform``: ``"auto"`` (byte planes for float storages), ``"byteplane"`` or ``None``.
     * ``chunk_size``: bytes per compressed chunk, 64 to 16 MiB (16,777,216), default 1 MiB; each
       chunk is decodable on its own (smaller: finer random access, more table rows).
-    * ``level``: codec level where the codec has one (zstd 1-22, deflate 1-9; default: the
+    * ``level``: codec level where the codec has one (zstd 1-22, deflate 0-9; default: the
       codec's own, zstd 3 / the byte-plane setting on the CPU); ignored by nvCOMP codecs.
     * ``metadata``: ``{str: str}`` stored in the manifest (``CheckpointReader.metadata``).
     * ``allow_pickle``: store objects ckptzip cannot represent by pickling them (default False:
@@ -62,8 +62,8 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
     ``base``, ``delta_storages`` and ``derived_storages`` where format 1.1 references were used).
 
     ``base``: the local path of an earlier checkpoint of the same state (an *incremental* save):
-    each storage whose tensor has the same key, dtype and size there is stored as ``xor`` against
-    it (``delta`` for floats, ``xor`` otherwise) where a sample shows that this pays. The file records the base by its path relative to
+    each storage whose tensor has the same key, dtype and size there is stored as its difference
+    from it (transform ``delta`` for floats, ``xor`` otherwise) where a sample shows that this pays. The file records the base by its path relative to
     this file's directory and its manifest's SHA-256; loading needs the base (see :func:`load`,
     ``base_dir``/``base_path``). ``derive`` (with ``transform="auto"``): a 16-bit float storage
     that equals the cast of a float32 storage of the same state (a bf16 copy of master weights)

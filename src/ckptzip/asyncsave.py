@@ -358,7 +358,7 @@ def async_save(obj: Any, path, *, codec: str | dict = "auto", transform: str | N
     Arguments shared with :func:`ckptzip.save`: ``path`` (local path or fsspec URL),
     ``codec`` (default ``"auto"``), ``transform`` (``"auto"``, ``"byteplane"`` or None; default
     ``"auto"``), ``chunk_size`` (bytes per chunk, 64 B to 16 MiB; default 1 MiB),
-    ``level`` (CPU zstd 1-22 / deflate 1-9; default None: the codec's default, 3 / 6),
+    ``level`` (CPU zstd 1-22 / deflate 0-9; default None: the codec's default),
     ``metadata`` (str -> str mapping stored in the manifest; default none), ``allow_pickle``
     (default False), ``fsync`` (default True: fsync the file and its directory before the save
     counts as done), ``progress`` (called as ``progress(bytes_done, total_bytes)`` from the

@@ -149,17 +149,27 @@ def _codec_type(s: str) -> str | dict:
     return cfg
 
 
-def _size_type(s: str) -> int:
-    """``--chunk-size``: bytes, optionally with a K or M suffix (KiB, MiB)."""
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _bytes_arg(s: str) -> int:
+    """Bytes, optionally with a K, M, G or T suffix (KiB, MiB, GiB, TiB)."""
     t = s.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = 1
-    if t[-1:] in ("K", "M"):
-        mult = 1024 if t[-1] == "K" else 1 << 20
+    mult = _UNITS.get(t[-1:], 1)
+    if mult > 1:
         t = t[:-1]
     try:
         n = int(t) * mult
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid size {s!r} (bytes, or with a K/M suffix)") from None
+        raise argparse.ArgumentTypeError(f"invalid size {s!r} (bytes, or with a K/M/G/T suffix)") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{s} is negative")
+    return n
+
+
+def _size_type(s: str) -> int:
+    """``--chunk-size``: bytes, optionally with a K or M suffix (KiB, MiB)."""
+    n = _bytes_arg(s)
     if not MIN_CHUNK <= n <= MAX_CHUNK:
         raise argparse.ArgumentTypeError(f"{s} is out of range: {MIN_CHUNK} to {MAX_CHUNK} bytes (16M)")
     return n
@@ -273,8 +283,8 @@ def cmd_compress(a) -> int:
     return 0
 
 
-def _summary(src: str, r: dict) -> None:
-    size_in = os.path.getsize(src)
+def _summary(src: str, r: dict, size_in: int | None = None) -> None:
+    size_in = os.path.getsize(src) if size_in is None else size_in
     say(line(f"{src} ({size_in:,} B) -> {r['path']} ({r['stored_bytes']:,} B), "
              f"ratio {r['stored_bytes'] / max(1, size_in):.3f} of the input, "
              f"{r['stored_bytes'] / max(1, r['raw_bytes']):.3f} of the tensor bytes"))
@@ -336,6 +346,10 @@ def _is_dcp_dir(path: str) -> bool:
     return is_checkpoint_dir(path)
 
 
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
 def dcp_info(path: str) -> dict:
     """The rank files and the per-tensor chunk table of a ckptzip DCP checkpoint directory."""
     from .dcp import read_metadata
@@ -372,7 +386,7 @@ def cmd_info_dcp(a) -> int:
     if a.json:
         print(json.dumps(d, indent=1))
         return 0
-    t = Table(title=line(f"{a.file}  (ckptzip DCP checkpoint, {len(d['files'])} rank files)"))
+    t = Table(title=line(f"{a.file}  (ckptzip DCP checkpoint, {_count(len(d['files']), 'rank file')})"))
     for c in ("file", "bytes"):
         t.add_column(c, justify="right" if c == "bytes" else "left")
     for f in d["files"]:
@@ -387,7 +401,7 @@ def cmd_info_dcp(a) -> int:
                   text("" if r["raw_bytes"] is None else f"{r['raw_bytes']:,}"), text(r["file"]))
     console.print(t)
     say(line(f"tensor bytes {d['tensor_raw_bytes']:,} -> files {d['file_bytes']:,} "
-             f"(ratio {d['file_bytes'] / max(1, d['tensor_raw_bytes']):.3f}), {len(d['files'])} rank files, "
+             f"(ratio {d['file_bytes'] / max(1, d['tensor_raw_bytes']):.3f}), {_count(len(d['files']), 'rank file')}, "
              f"{len(d['items'])} items"))
     return 0
 
@@ -412,7 +426,7 @@ def cmd_verify_dcp(a) -> int:
     except CkptzipError as e:
         say(line(("FAILED", "red"), f" {a.file}: {type(e).__name__}: {e}"))
         return 1
-    say(line(("OK", "green"), f" {a.file}: commit marker, metadata and {len(files)} rank files "
+    say(line(("OK", "green"), f" {a.file}: commit marker, metadata and {_count(len(files), 'rank file')} "
              "(every chunk's checksum and size) verified"))
     return 0
 
@@ -541,7 +555,7 @@ def cmd_consolidate(a) -> int:
         if isinstance(first, BaseException):
             raise first from None
         raise CorruptDCPError(str(e).splitlines()[0]) from None
-    _summary(a.directory, res)
+    _summary(a.directory, res, dcp_info(a.directory)["file_bytes"])  # the rank files, not the dir entry
     return 0
 
 
@@ -562,6 +576,12 @@ def _import_eval(spec: str):
 
 def cmd_export(a) -> int:
     from . import lossy
+    from .lossy.quant import parse_scheme
+    if a.scheme != "auto":
+        try:
+            parse_scheme(a.scheme)
+        except lossy.SchemeError as e:
+            raise UsageError(f"--scheme: {e}") from None
     eval_fn = _import_eval(a.eval) if a.eval else None
     if not _is_url(a.src) and not os.path.exists(a.src):
         raise FileNotFoundError(2, "No such file or directory", a.src)
@@ -704,9 +724,9 @@ def _add_pickle(sp: argparse.ArgumentParser, what: str) -> None:
 
 
 def _add_max_bytes(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--max-bytes", type=_nonneg_int, default=None, metavar="BYTES",
-                    help="refuse files declaring more decoded bytes than this (default: max(1 GiB, "
-                         "4096 x the file size))")
+    sp.add_argument("--max-bytes", type=_bytes_arg, default=None, metavar="BYTES",
+                    help="refuse files declaring more decoded bytes than this; K/M/G/T suffixes "
+                         "(default: max(1 GiB, 4096 x the file size))")
 
 
 def _add_quiet(sp: argparse.ArgumentParser) -> None:
@@ -816,7 +836,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ex = command("export", "LOSSY weights-only export (quantized) of a checkpoint; never for resuming",
                  "Write a lossy, weights-only artifact of SRC (a .ckz, a torch .pt read without pickle, "
-                 "a safetensors file or a ckptzip/DCP checkpoint directory): the model weights are "
+                 "a safetensors file or a ckptzip DCP checkpoint directory): the model weights are "
                  "found (or --model-key), the optimizer state and the duplicate precision copy are "
                  "dropped, matrices are quantized (fp8 per row, intN group-wise) and entropy-coded; "
                  "vectors, non-float tensors and --keep matches stay lossless. Resume paths refuse "
@@ -932,7 +952,11 @@ def main(argv: list[str] | None = None) -> int:
         from .errors import PickleNotAllowedError, UnsupportedObjectError
         hint = " (command line: --allow-pickle)" if isinstance(
             e, (PickleNotAllowedError, UnsupportedObjectError)) and "--allow-pickle" not in str(e) else ""
-        error_line(f"{type(e).__name__}: {e}{hint}")
+        from .errors import ResourceLimitError
+        if isinstance(e, ResourceLimitError):
+            hint += " (command line: --max-bytes)"
+        msg = str(e)  # some errors (the DCP ones) already start with their name
+        error_line(f"{msg if msg.startswith(type(e).__name__ + ':') else type(e).__name__ + ': ' + msg}{hint}")
         return 1
     except BrokenPipeError:  # e.g. `ckptzip info x.ckz | head`
         with contextlib.suppress(OSError):

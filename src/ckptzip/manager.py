@@ -35,6 +35,8 @@ from .api import open as open_checkpoint
 from .asyncsave import SaveHandle, async_save
 from .storage import atomic_write, is_url, local_path
 
+#: metadata key of an incremental manager's deltas: the number of saves since the full checkpoint
+DELTA_INDEX = "ckptzip.delta_index"
 _MARKER = re.compile(r"step-([0-9]{9,})\.commit", re.ASCII)
 _CKZ = re.compile(r"step-([0-9]{9,})\.ckz", re.ASCII)
 _DIR = re.compile(r"step-([0-9]{9,})", re.ASCII)
@@ -213,7 +215,9 @@ class CheckpointManager:
             return self._save_dcp(step, state, opts, bool(kwargs))
         path = self.path(step)
         if self.incremental and "base" not in opts:
-            opts["base"] = self._base_for(step)
+            opts["base"], k = self._base_for(step)
+            if opts["base"] is not None:
+                opts["metadata"] = {**(opts.get("metadata") or {}), DELTA_INDEX: str(k)}
         if self.use_async:
             inner = async_save(state, path, **opts)
             handle = SaveHandle()
@@ -289,17 +293,28 @@ class CheckpointManager:
         m = _CKZ.fullmatch(os.path.basename(str(rec.get("file", ""))))
         return int(m.group(1)) if m else None
 
-    def _base_for(self, step: int) -> str | None:
-        """The base of an incremental save of ``step``: the newest committed full checkpoint
-        older than it, while fewer than ``full_every - 1`` deltas follow that one; else None (a
-        full save)."""
-        since = 0
-        for s in reversed([s for s in self.steps() if s < step]):
-            with open_checkpoint(self.path(s)) as r:
-                if r.base is None:
-                    return self.path(s) if since + 1 < self.full_every else None
-            since += 1
-        return None
+    def _base_for(self, step: int) -> tuple[str | None, int]:
+        """(base path, delta index) of an incremental save of ``step``: against the full
+        checkpoint the newest committed checkpoint before it is (or refers to), as delta number
+        ``k`` since that full one; ``(None, 0)`` (a full save) once ``k`` would reach
+        ``full_every``. The index is recorded in each delta's metadata
+        (``ckptzip.delta_index``), so rotation removing older deltas does not reset the count."""
+        older = [s for s in self.steps() if s < step]
+        if not older:
+            return None, 0
+        s = older[-1]
+        with open_checkpoint(self.path(s)) as r:
+            if r.base is None:
+                k, full = 1, s
+            else:
+                idx = r.metadata.get(DELTA_INDEX, "")
+                m = _CKZ.fullmatch(os.path.basename(str(r.base.get("file", ""))))
+                if not idx.isdigit() or not idx.isascii() or m is None:
+                    return None, 0  # not written by this manager's incremental mode: start anew
+                k, full = int(idx) + 1, int(m.group(1))
+        if k >= self.full_every or full not in older:
+            return None, 0
+        return self.path(full), k
 
     def _write_marker(self, step: int, doc: dict) -> None:
         marker = json.dumps(doc).encode()

@@ -141,9 +141,10 @@ def get_codec(config: dict[str, Any] | str, device: str = "cpu", **local: Any) -
     if cls is None:
         if device == "cpu":
             raise GPURequiredError(
-                f"codec {wire_id!r} can only be decoded on a CUDA GPU with nvCOMP "
-                f"(pip install 'ckptzip[cu13]'); on a GPU machine, make a CPU-readable copy with "
-                f"`ckptzip convert IN OUT --codec zstd`")
+                f"codec {wire_id!r} needs a CUDA GPU with nvCOMP to encode or decode (install the "
+                f"'cu13' or 'cu12' extra); to read such a file here, make a CPU-readable copy on a "
+                f"GPU machine with `ckptzip convert IN OUT --codec zstd`, or save with a CPU codec "
+                f"(zstd, deflate, raw) or portable=True")
         cls = impls["cpu"]  # a CPU implementation serves any device (data is staged through host)
     # names and types are checked before the class sees them (a parameter named ``self`` or a
     # level of "x" must not reach a constructor)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .errors import NoFloatWeightsError
+from .errors import ExportError, NoFloatWeightsError
 
 MODEL_KEYS = ("model", "state_dict", "module", "model_state_dict", "model_state", "weights", "params")
 OPTIM_KEYS = ("optimizer", "optim", "opt", "optimizer_states", "optimizer_state", "optimizer_state_dict",
@@ -41,19 +41,28 @@ def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def read_source(src: Any) -> tuple[Any, str]:
-    """(the object, a description). SRC: a state dict, a .ckz, a safetensors file, a DCP
-    directory or a torch file (read with weights_only=True)."""
+    """(the object, a description). SRC: a state dict, a .ckz, a safetensors file, a ckptzip DCP
+    directory (``ckptzip.dcp.Writer``) or a torch file (read without pickle: tensors, containers,
+    numbers, strings, numpy data and RNG states). Nothing from a file runs code: a DCP directory of
+    torch's own FileSystemWriter keeps its metadata as a pickle and is refused."""
     if isinstance(src, Mapping):
         return src, "<in-memory state dict>"
     path = os.fspath(src)
     if os.path.isdir(path):
-        if os.path.exists(os.path.join(path, ".metadata")):  # torch.distributed.checkpoint
+        from ..dcp import is_checkpoint_dir
+        if is_checkpoint_dir(path):
             import tempfile
 
-            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+            import ckptzip
+            from ..dcp import consolidate
             with tempfile.TemporaryDirectory() as d:
-                dcp_to_torch_save(path, os.path.join(d, "s.pt"))
-                return torch.load(os.path.join(d, "s.pt"), map_location="cpu", weights_only=True), path
+                consolidate(path, os.path.join(d, "s.ckz"))
+                return ckptzip.load(os.path.join(d, "s.ckz"), map_location="cpu"), path
+        if os.path.exists(os.path.join(path, ".metadata")):
+            raise ExportError(f"{path}: a torch.distributed.checkpoint directory of FileSystemWriter keeps "
+                              f"its metadata as a pickle, which ckptzip does not run; if you trust it, "
+                              f"convert it with torch's dcp_to_torch_save first, or save with "
+                              f"ckptzip.dcp.Writer")
         st = os.path.join(path, "model.safetensors")
         if os.path.exists(st):
             return _read_safetensors(st), st
@@ -67,7 +76,8 @@ def read_source(src: Any) -> tuple[Any, str]:
     except ckptzip.CkptzipError:
         if path.endswith(".ckz"):
             raise
-    return torch.load(path, map_location="cpu", weights_only=True), path
+    from ..torchfile import load_torch_file
+    return load_torch_file(path), path
 
 
 def _is_tensor_dict(d: Any) -> bool:
