@@ -163,3 +163,9 @@ def test_compresses_trained_floats(tmp_path, small_state):
     p = tmp_path / "c.ckz"
     r = ckptzip.save(small_state, p)
     assert r["stored_bytes"] < 0.95 * r["raw_bytes"]
+
+
+def test_unsupported_object_error_names_where_it_is(tmp_path):
+    with pytest.raises(ckptzip.UnsupportedObjectError, match=r"\['model'\]\['a'\]\[1\]"):
+        ckptzip.save({"model": {"a": [1, object()]}}, tmp_path / "x.ckz")
+    assert not (tmp_path / "x.ckz").exists()

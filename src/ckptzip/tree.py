@@ -111,6 +111,29 @@ class Encoder:
         return {"t": "ndarray", "s": idx, "dtype": a.dtype.str, "shape": shape}
 
     def encode(self, obj: Any, depth: int = 0) -> Any:
+        """The JSON node of ``obj`` (its tensors registered as storages). An object that cannot
+        be stored raises :class:`UnsupportedObjectError` naming where it is (``['model'][3]``)."""
+        if depth:
+            return self._encode(obj, depth)
+        try:
+            return self._encode(obj, 0)
+        except UnsupportedObjectError as e:
+            where = getattr(e, "where", None)
+            if not where:
+                raise
+            path = "".join(f"[{k!r}]" for k in reversed(where))
+            raise UnsupportedObjectError(f"{e} (at {path[:300]})") from None
+
+    def _child(self, v: Any, d: int, key: Any) -> Any:
+        try:
+            return self._encode(v, d)
+        except UnsupportedObjectError as e:
+            if not hasattr(e, "where"):
+                e.where = []
+            e.where.append(key if isinstance(key, (str, int)) else type(key).__name__)
+            raise
+
+    def _encode(self, obj: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise UnsupportedObjectError(f"object nesting deeper than {MAX_DEPTH}")
         d = depth + 1
@@ -127,11 +150,11 @@ class Encoder:
             return {"t": "float", "v": struct.pack("<d", obj).hex()}
         if type(obj) in (dict, collections.OrderedDict):
             tag = "dict" if type(obj) is dict else "odict"
-            return {"t": tag, "k": [self._key(k) for k in obj], "v": [self.encode(v, d) for v in obj.values()]}
+            return {"t": tag, "k": [self._key(k) for k in obj], "v": [self._child(v, d, k) for k, v in obj.items()]}
         if type(obj) is list:
-            return {"t": "list", "v": [self.encode(v, d) for v in obj]}
+            return {"t": "list", "v": [self._child(v, d, i) for i, v in enumerate(obj)]}
         if type(obj) is tuple:
-            return {"t": "tuple", "v": [self.encode(v, d) for v in obj]}
+            return {"t": "tuple", "v": [self._child(v, d, i) for i, v in enumerate(obj)]}
         if type(obj) is torch.Size:
             return {"t": "size", "v": [int(x) for x in obj]}
         if isinstance(obj, torch.dtype):
