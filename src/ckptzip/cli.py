@@ -594,8 +594,9 @@ def cmd_export(a) -> int:
                                              console=err, transient=True))
             task = p.add_task("exporting", total=None)
 
-            def cb(done: int, total: int) -> None:
+            def bar(done: int, total: int) -> None:
                 p.update(task, completed=done, total=total)
+            cb = bar
         rep = lossy.export(a.src, a.dst, scheme=a.scheme, bpw=a.bpw, max_loss_increase=a.max_loss_increase,
                            eval_fn=eval_fn, keep=tuple(a.keep or ()), model_key=a.model_key, format=a.format,
                            force=a.force, progress=cb, nonfinite=a.nonfinite)

@@ -40,6 +40,7 @@ from torch.futures import Future
 import ckptzip
 from ckptzip.errors import CorruptFileError, PickleNotAllowedError
 from ckptzip.storage import open_for_write
+from ckptzip.validate import strict_json
 
 __all__ = ["Writer", "Reader", "consolidate", "read_metadata", "item_key", "DCPMetadataError",
            "IncompleteCheckpointError", "METADATA_NAME", "COMMIT_NAME", "FORMAT", "FORMAT_VERSION"]
@@ -254,29 +255,11 @@ def _want(d: Any, keys: set[str], what: str, optional: set[str] = frozenset()) -
         raise _bad(f"{what}: missing fields {sorted(missing)}, unknown fields {sorted(extra)}")
 
 
-def _no_dupes(pairs):
-    d = {}
-    for k, v in pairs:
-        if k in d:
-            raise _bad(f"duplicate key {k!r:.200}")
-        d[k] = v
-    return d
-
-
-def _no_constant(c):
-    raise _bad(f"non-finite number {c}")
-
-
 def parse_metadata_json(raw: bytes) -> tuple[Metadata, dict[str, int]]:
     """Validate the JSON metadata document and rebuild DCP's ``Metadata`` from it (never
     unpickles). Returns the Metadata (``storage_data``: MetadataIndex -> ``_Stored``) and the
     ``{file name: bytes}`` table. Raises :class:`DCPMetadataError` on anything malformed."""
-    try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_dupes, parse_constant=_no_constant)
-    except DCPMetadataError:
-        raise
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise _bad(f"not valid UTF-8 JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    doc = strict_json(raw, _bad, "UTF-8 JSON")
     _want(doc, {"format", "format_version", "dcp_version", "files", "state_dict_metadata", "storage_data",
                 "planner_data", "storage_meta"}, "document")
     if doc["format"] != FORMAT:
@@ -400,17 +383,22 @@ def parse_metadata_json(raw: bytes) -> tuple[Metadata, dict[str, int]]:
     return md, files
 
 
-def _check_commit(path: str, raw: bytes) -> None:
+def commit_marker(path: str) -> dict[str, Any]:
+    """The checkpoint directory's ``COMMIT`` marker (``{"format", "format_version",
+    "metadata_sha256", "save_id"}``), read within 64 KiB and parsed strictly; raises
+    :class:`IncompleteCheckpointError` when it is missing or malformed."""
     marker = _read_bytes(_join(path, COMMIT_NAME), 1 << 16)
     if marker is None:
         raise IncompleteCheckpointError(
             f"{path}: no {COMMIT_NAME} marker: the checkpoint was not completed (a rank may have died mid-save)")
-    try:
-        doc = json.loads(marker.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise IncompleteCheckpointError(f"{path}: {COMMIT_NAME} marker is not valid JSON ({e})") from None
+    doc = strict_json(marker, lambda m: IncompleteCheckpointError(f"{path}: {COMMIT_NAME} marker: {m}"))
     if type(doc) is not dict or doc.get("format") != FORMAT or type(doc.get("metadata_sha256")) is not str:
         raise IncompleteCheckpointError(f"{path}: {COMMIT_NAME} marker is malformed")
+    return doc
+
+
+def _check_commit(path: str, raw: bytes) -> None:
+    doc = commit_marker(path)
     if doc["metadata_sha256"] != hashlib.sha256(raw).hexdigest():
         raise IncompleteCheckpointError(
             f"{path}: {COMMIT_NAME} marker does not match {METADATA_NAME} (a later save was interrupted)")

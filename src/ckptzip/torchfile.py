@@ -29,6 +29,7 @@ import torch
 
 from .errors import CkptzipError
 from .format import MAGIC
+from .validate import strict_json
 
 __all__ = ["InputFormatError", "load_torch_file", "read_safetensors", "write_safetensors",
            "flatten_tensors", "sniff", "SAFETENSORS_DTYPES"]
@@ -176,23 +177,9 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 _TORCH_TO_ST = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
-def _reject_duplicates(pairs: list) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise InputFormatError(f"safetensors header: duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
 def _parse_safetensors_header(raw: bytes, buffer_len: int) -> tuple[dict, dict[str, str]]:
     """Validate the JSON header against a data buffer of ``buffer_len`` bytes."""
-    try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
-    except (UnicodeDecodeError, ValueError) as e:
-        if isinstance(e, InputFormatError):
-            raise
-        raise InputFormatError(f"safetensors header is not valid JSON: {e}") from None
+    doc = strict_json(raw, lambda m: InputFormatError(f"safetensors header: {m}"), "JSON")
     if not isinstance(doc, dict):
         raise InputFormatError("safetensors header is not a JSON object")
     meta = doc.pop("__metadata__", None) or {}

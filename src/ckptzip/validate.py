@@ -13,6 +13,7 @@ import json
 import math
 import re
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from .codecs.base import check_params, wire_keys
@@ -47,28 +48,35 @@ def _is_int(x: Any) -> bool:
 
 
 # -- JSON -------------------------------------------------------------------------------------
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise _bad(f"duplicate JSON object key {dup[:60]!r}")
-    return d
+def strict_json(text: bytes, error: Callable[[str], Exception], what: str = "JSON") -> Any:
+    """Parse ``text`` as UTF-8 JSON strictly: no repeated member names, no NaN/Infinity, nesting
+    bounded by the interpreter. Any failure raises ``error(message)``: the manifest, the DCP
+    metadata and safetensors headers each pass their own named error."""
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        d = dict(pairs)
+        if len(d) != len(pairs):
+            seen: set[str] = set()
+            dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+            raise _Refused(f"duplicate JSON object key {dup[:60]!r}")
+        return d
+
+    def no_constant(name: str) -> Any:
+        raise _Refused(f"JSON constant {name} (not allowed)")
+    try:
+        return json.loads(text.decode("utf-8"), object_pairs_hook=no_duplicates, parse_constant=no_constant)
+    except _Refused as e:
+        raise error(str(e)) from None
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise error(f"{what} does not parse: {str(e)[:200]}") from None
 
 
-def _no_constant(name: str) -> Any:
-    raise _bad(f"JSON constant {name} (not allowed)")
+class _Refused(Exception):
+    """Raised inside the JSON hooks; turned into the caller's error by :func:`strict_json`."""
 
 
 def load_document(text: bytes) -> Any:
     """Parse the manifest JSON strictly: UTF-8, no duplicate object keys, no NaN/Infinity."""
-    try:
-        return json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates,
-                          parse_constant=_no_constant)
-    except CorruptFileError:
-        raise
-    except (ValueError, RecursionError) as e:
-        raise CorruptFileError(f"manifest JSON does not parse: {str(e)[:200]}") from None
+    return strict_json(text, _bad, "manifest JSON")
 
 
 # -- big ints without sys.set_int_max_str_digits ----------------------------------------------

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..torchfile import write_safetensors
 from .errors import DestinationError
 from .quant import pack_bits, signed_codes
 
@@ -40,32 +41,6 @@ def pack_int32(codes_signed: torch.Tensor, bits: int) -> torch.Tensor:
     b = pack_bits(u, bits).view(rows, cp * bits // 8)  # rows pack independently: cp*bits is a multiple of 32
     words = b.view(torch.int32)
     return words[:, :math.ceil(cols * bits / 32)].contiguous()
-
-
-def _save_safetensors(tensors: dict[str, torch.Tensor], path: str, meta: dict[str, str]) -> None:
-    try:
-        from safetensors.torch import save_file
-        save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=meta)
-        return
-    except ImportError:
-        pass
-    names = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-    header: dict[str, Any] = {"__metadata__": meta}
-    blobs, off = [], 0
-    for k in sorted(tensors):
-        t = tensors[k].contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header[k] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + len(raw)]}
-        blobs.append(raw)
-        off += len(raw)
-    h = json.dumps(header).encode()
-    h += b" " * ((-len(h)) % 8)
-    with open(path, "wb") as f:
-        f.write(len(h).to_bytes(8, "little") + h)
-        for raw in blobs:
-            f.write(raw)
 
 
 def _args(q: dict[str, Any]) -> dict[str, Any]:
@@ -124,7 +99,7 @@ def write_compressed_tensors(dst: str, entries: dict[str, dict], kept: dict[str,
           "quantization_status": "compressed",
           "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())},
           "ignore": sorted(set(ignore)), "kv_cache_scheme": None}
-    _save_safetensors(out, os.path.join(tmp, "model.safetensors"), {"format": "pt", "producer": "ckptzip.export"})
+    write_safetensors(out, os.path.join(tmp, "model.safetensors"), {"format": "pt", "producer": "ckptzip.export"})
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump({"quantization_config": qc}, f, indent=1)
     report["compressed_tensors"] = {"dense": dense, "groups": len(groups)}

@@ -146,7 +146,7 @@ def _int_params(xg: torch.Tensor, bits: int, sym: bool, ratios: torch.Tensor, co
     if sym:
         lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
         amax = xg.abs().amax(-1)
-        span, base = amax / max(hi, 1), None
+        span = amax / max(hi, 1)
     else:
         lo, hi = 0, (1 << bits) - 1
         mn = xg.amin(-1).clamp(max=0)

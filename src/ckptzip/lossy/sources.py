@@ -1,44 +1,18 @@
 """Reading an export source and finding the model weights in it."""
 from __future__ import annotations
 
-import json
 import os
-import struct
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from ..torchfile import read_safetensors
 from .errors import ExportError, NoFloatWeightsError
 
 MODEL_KEYS = ("model", "state_dict", "module", "model_state_dict", "model_state", "weights", "params")
 OPTIM_KEYS = ("optimizer", "optim", "opt", "optimizer_states", "optimizer_state", "optimizer_state_dict",
               "lr_scheduler", "scheduler", "lr_schedulers")
-
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-
-
-def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    try:
-        from safetensors.torch import load_file
-        return dict(load_file(path))
-    except ImportError:
-        pass
-    with open(path, "rb") as f:  # the format: u64 header length, JSON header, raw little-endian data
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        data = bytearray(f.read())
-    out = {}
-    for k, v in header.items():
-        if k == "__metadata__":
-            continue
-        a, b = v["data_offsets"]
-        t = torch.frombuffer(data, dtype=torch.uint8, offset=a, count=b - a) if b > a else torch.empty(0, dtype=torch.uint8)
-        out[k] = t.view(_ST_DTYPES[v["dtype"]]).reshape(v["shape"]).clone()
-    return out
-
 
 def read_source(src: Any) -> tuple[Any, str]:
     """(the object, a description). SRC: a state dict, a .ckz, a safetensors file, a ckptzip DCP
@@ -65,9 +39,9 @@ def read_source(src: Any) -> tuple[Any, str]:
                               f"ckptzip.dcp.Writer")
         st = os.path.join(path, "model.safetensors")
         if os.path.exists(st):
-            return _read_safetensors(st), st
+            return read_safetensors(st)[0], st
     if path.endswith(".safetensors"):
-        return _read_safetensors(path), path
+        return read_safetensors(path)[0], path
     import ckptzip
     try:
         with ckptzip.open(path):
