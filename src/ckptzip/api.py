@@ -459,7 +459,7 @@ def open(path: Any, **kwargs: Any) -> CheckpointReader:  # noqa: A001
 def load(path: Any, *, map_location: Any = None, allow_pickle: bool = False,
          progress: Progress | None = None, decode_device: str | None = None,
          max_bytes: int | None = None, base_dir: Any = None, base_path: Any = None,
-         dtype: torch.dtype | None = None) -> Any:
+         dtype: torch.dtype | None = None, allow_lossy: bool = True) -> Any:
     """Load what :func:`save` wrote from ``path`` (a local path, an fsspec URL, or a binary file
     object with ``read`` and ``seek``, left open). Tensors come back bit-exact, on their saved
     device unless ``map_location`` says otherwise: ``"cpu"``, ``"cuda"``, a ``torch.device``, a
@@ -485,12 +485,19 @@ def load(path: Any, *, map_location: Any = None, allow_pickle: bool = False,
     A lossy export (:func:`ckptzip.export`; its metadata says ``ckptzip.lossy``) loads as
     ``{name: dequantized tensor}`` in ``dtype`` (default ``torch.bfloat16``) plus its lossless
     tensors; ``ckptzip.lossy.load_codes`` gives the codes and scales. ``dtype`` applies to lossy
-    exports only."""
+    exports only. ``allow_lossy=False`` (resume paths) raises
+    :class:`~ckptzip.lossy.LossyCheckpointError` for a lossy export instead."""
     with CheckpointReader(path, map_location=map_location, allow_pickle=allow_pickle,
                           progress=progress, decode_device=decode_device, max_bytes=max_bytes,
                           base_dir=base_dir, base_path=base_path) as r:
+        lossy = r.metadata.get("ckptzip.lossy") == "1"
+        if lossy and not allow_lossy:
+            from .lossy.errors import LossyCheckpointError
+            raise LossyCheckpointError(f"{os.fspath(path) if isinstance(path, (str, os.PathLike)) else 'this file'} "
+                                       f"is a lossy weights-only export and cannot be resumed from; use a "
+                                       f"lossless checkpoint")
         obj = r.load()
-        if r.metadata.get("ckptzip.lossy") != "1":
+        if not lossy:
             return obj
     from .lossy.core import dequantize_tree
     dev = map_location if isinstance(map_location, (str, torch.device)) else None

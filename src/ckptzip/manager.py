@@ -237,7 +237,7 @@ class CheckpointManager:
     def _save_dcp(self, step: int, state: Any, opts: dict, overridden: bool):
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
-        from .dcp import COMMIT_NAME, Writer
+        from .dcp import Writer, commit_marker
         path = self.dir_path(step)
         coord = self._is_coordinator()
         if coord:  # saving a step again: un-commit it first
@@ -248,10 +248,8 @@ class CheckpointManager:
 
         def commit() -> dict:
             if coord:
-                with self.fs.open(f"{self._join(_dir_name(step))}/{COMMIT_NAME}", "rb") as f:
-                    dcp_marker = json.loads(f.read(_MARKER_MAX).decode("utf-8"))
                 self._write_marker(step, {"step": step, "dir": _dir_name(step),
-                                          "metadata_sha256": dcp_marker["metadata_sha256"]})
+                                          "metadata_sha256": commit_marker(self.dir_path(step))["metadata_sha256"]})
                 self._rotate()
             return {"path": path}
 
@@ -387,7 +385,7 @@ class CheckpointManager:
     def _check_dcp(self, step: int, info: dict, listing: dict) -> str | None:
         """Why the distributed checkpoint ``step`` (its manager marker ``info``) is not
         committed, or None."""
-        from .dcp import COMMIT_NAME, DCPMetadataError, read_metadata
+        from .dcp import COMMIT_NAME, DCPMetadataError, commit_marker, read_metadata
         if info["dir"] != _dir_name(step):
             return f"marker's dir {info['dir']!r} is not {_dir_name(step)!r}"
         if set(info) != {"step", "dir", "metadata_sha256"} or type(info["metadata_sha256"]) is not str:
@@ -398,12 +396,10 @@ class CheckpointManager:
         if d.get("type") != "directory":
             return f"{_dir_name(step)} is not a directory ({d.get('type')})"
         try:
-            with self.fs.open(f"{self._join(_dir_name(step))}/{COMMIT_NAME}", "rb") as f:
-                raw = f.read(_MARKER_MAX + 1)
-            sha = json.loads(raw.decode("utf-8")).get("metadata_sha256")
-        except FileNotFoundError:
-            return f"{_dir_name(step)}/{COMMIT_NAME} is missing (the save did not complete)"
-        except (OSError, ValueError, AttributeError, RecursionError) as e:
+            sha = commit_marker(self.dir_path(step))["metadata_sha256"]
+        except DCPMetadataError as e:  # missing or malformed
+            return f"{_dir_name(step)}/{COMMIT_NAME}: {e}"
+        except OSError as e:
             return f"{_dir_name(step)}/{COMMIT_NAME} unreadable: {e}"
         if sha != info["metadata_sha256"]:
             return f"{_dir_name(step)}/{COMMIT_NAME} belongs to another save than the marker"
@@ -515,9 +511,7 @@ class CheckpointManager:
             return self._load_dcp(step, state, **kwargs)
         if state is not None:
             raise TypeError(f"step {step} is a single-file checkpoint: load it without state=")
-        from .lossy import ensure_lossless
-        ensure_lossless(self.path(step))  # never resume from a lossy weights-only export
-        return load(self.path(step), **kwargs)
+        return load(self.path(step), allow_lossy=False, **kwargs)  # never resume from a lossy export
 
     def _load_dcp(self, step: int, state: Any, planner: Any = None, **reader_kwargs: Any) -> Any:
         from .dcp import Reader

@@ -40,7 +40,6 @@ except ImportError as e:  # pragma: no cover - exercised only without deepspeed
 
 from .. import async_save, load, save
 from ..errors import UnsupportedObjectError
-from ..lossy import ensure_lossless
 
 ENGINE_NAME = "CkptzipCheckpointEngine"
 
@@ -178,8 +177,8 @@ class CkptzipCheckpointEngine(CheckpointEngine):
 
     def load(self, path: str, map_location: Any = None) -> Any:
         self.wait()  # a file may be read back in the same run it was written
-        ensure_lossless(path)  # a lossy weights-only export cannot resume training
-        obj = load(path, map_location=_map(map_location), allow_pickle=self.allow_pickle)
+        obj = load(path, map_location=_map(map_location), allow_pickle=self.allow_pickle,
+                   allow_lossy=False)  # a lossy weights-only export cannot resume training
         return _unpack(obj, self.safe_classes)
 
     def commit(self, info: Any) -> bool:

@@ -14,7 +14,6 @@ except ImportError:  # the older package name
 
 from ..api import load, save
 from ..asyncsave import SaveHandle, async_save
-from ..lossy import ensure_lossless
 from ..storage import is_url, local_path
 
 
@@ -74,8 +73,8 @@ class CkptzipCheckpointIO(CheckpointIO):
         save(_plain(checkpoint), path, allow_pickle=self.allow_pickle, **self.save_kwargs)
 
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
-        ensure_lossless(path)  # a lossy weights-only export cannot resume training
-        return load(path, map_location=_map(map_location), allow_pickle=self.allow_pickle)
+        return load(path, map_location=_map(map_location), allow_pickle=self.allow_pickle,
+                    allow_lossy=False)  # a lossy weights-only export cannot resume training
 
     def remove_checkpoint(self, path) -> None:
         _remove(path)
