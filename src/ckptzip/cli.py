@@ -34,6 +34,7 @@ from . import __version__
 from .codecs.base import MAX_CHUNK
 from .cost import CostInputs, monthly_cost
 from .engine import DEFAULT_CHUNK
+from .storage import is_url
 from .errors import CkptzipError, CorruptFileError
 
 
@@ -233,20 +234,15 @@ def _check_save_options(a) -> None:
         get_codec(cfg, dev)  # unknown options, GPU-only codecs without a GPU: before reading
 
 
-def _is_url(p: str) -> bool:
-    from .storage import is_url
-    return is_url(p)
-
-
 def _check_io(src: str, dst: str) -> None:
     """Refuse what would fail late or destroy data: a directory as input or output, a missing
     output directory, and an output that is the input (any spelling, links included)."""
-    if not _is_url(src):
+    if not is_url(src):
         if os.path.isdir(src):
             raise IsADirectoryError(21, "Is a directory (expected a checkpoint file)", src)
         if not os.path.exists(src):
             raise FileNotFoundError(2, "No such file or directory", src)
-    if _is_url(dst):
+    if is_url(dst):
         return
     if os.path.isdir(dst):
         raise IsADirectoryError(21, "Is a directory (give the output file's name)", dst)
@@ -254,7 +250,7 @@ def _check_io(src: str, dst: str) -> None:
     if not os.path.isdir(parent):
         raise FileNotFoundError(2, "Output directory does not exist", parent)
     same = os.path.realpath(src) == os.path.realpath(dst)
-    if not same and os.path.exists(dst) and not _is_url(src):
+    if not same and os.path.exists(dst) and not is_url(src):
         with contextlib.suppress(OSError):
             same = os.path.samefile(src, dst)
     if same:
@@ -271,7 +267,7 @@ def cmd_compress(a) -> int:
     _check_io(a.input, a.output)
     meta: dict[str, str] = {}
     with spinner(f"reading {a.input}", a.quiet):
-        if not _is_url(a.input) and sniff(a.input) == "safetensors":
+        if not is_url(a.input) and sniff(a.input) == "safetensors":
             obj, meta = read_safetensors(a.input)  # its __metadata__ becomes the .ckz metadata
         else:
             obj = load_torch_file(a.input, allow_pickle=a.allow_pickle)
@@ -313,7 +309,7 @@ def cmd_decompress(a) -> int:
         from .storage import open_for_write
         with open_for_write(a.output) as f:
             torch.save(obj, f)
-        size = os.path.getsize(a.output) if not _is_url(a.output) else 0
+        size = os.path.getsize(a.output) if not is_url(a.output) else 0
     say(line(f"{a.input} -> {a.output} ({size:,} B, {fmt})"))
     return 0
 
@@ -336,7 +332,7 @@ def cmd_convert(a) -> int:
 
 
 def _check_input(path: str) -> None:
-    if not _is_url(path) and os.path.isdir(path):
+    if not is_url(path) and os.path.isdir(path):
         raise IsADirectoryError(21, "Is a directory (expected a .ckz file)", path)
 
 
@@ -416,7 +412,7 @@ def cmd_verify_dcp(a) -> int:
         for s in md.storage_data.values():
             keys.setdefault(s.file, set()).add(s.key)
         for name in files:
-            p = f"{a.file.rstrip('/')}/{name}" if _is_url(a.file) else os.path.join(a.file, name)
+            p = f"{a.file.rstrip('/')}/{name}" if is_url(a.file) else os.path.join(a.file, name)
             with api.open(p, max_bytes=a.max_bytes) as r, progress_bar(f"verifying {name}", a.quiet) as cb:
                 missing = keys[name] - set(r.keys())
                 if missing:
@@ -536,10 +532,10 @@ def cmd_cost(a) -> int:
 def cmd_consolidate(a) -> int:
     from .dcp import consolidate
     _check_save_options(a)
-    if not _is_url(a.directory) and not os.path.isdir(a.directory):
+    if not is_url(a.directory) and not os.path.isdir(a.directory):
         raise FileNotFoundError(2, "No such directory", a.directory)
     if os.path.abspath(a.output) == os.path.abspath(a.directory) or (
-            not _is_url(a.output) and os.path.isdir(a.output)):
+            not is_url(a.output) and os.path.isdir(a.output)):
         raise UsageError(f"{a.output}: the output must be a file, not a directory")
     from torch.distributed.checkpoint.api import CheckpointException
     from .dcp import read_metadata
@@ -583,7 +579,7 @@ def cmd_export(a) -> int:
         except lossy.SchemeError as e:
             raise UsageError(f"--scheme: {e}") from None
     eval_fn = _import_eval(a.eval) if a.eval else None
-    if not _is_url(a.src) and not os.path.exists(a.src):
+    if not is_url(a.src) and not os.path.exists(a.src):
         raise FileNotFoundError(2, "No such file or directory", a.src)
     show = _show_progress(a.quiet or a.json)
     with contextlib.ExitStack() as stack:
@@ -626,12 +622,12 @@ def cmd_export(a) -> int:
 
 def cmd_ls(a) -> int:
     from .manager import CheckpointManager
-    if not _is_url(a.directory) and not os.path.isdir(a.directory):
+    if not is_url(a.directory) and not os.path.isdir(a.directory):
         if os.path.exists(a.directory):
             raise NotADirectoryError(20, "Not a directory", a.directory)
         raise FileNotFoundError(2, "No such directory", a.directory)
     m = CheckpointManager(a.directory, keep_last=None, create=False)
-    if _is_url(a.directory) and not m.fs.isdir(m.root):
+    if is_url(a.directory) and not m.fs.isdir(m.root):
         raise FileNotFoundError(2, "No such directory", a.directory)
     entries = m.entries()
     steps = [e.step for e in entries if e.status == "committed"]

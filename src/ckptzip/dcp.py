@@ -39,7 +39,7 @@ from torch.futures import Future
 
 import ckptzip
 from ckptzip.errors import CorruptFileError, PickleNotAllowedError
-from ckptzip.storage import open_for_write
+from ckptzip.storage import is_url, local_path, open_for_write
 from ckptzip.validate import strict_json
 
 __all__ = ["Writer", "Reader", "consolidate", "read_metadata", "item_key", "DCPMetadataError",
@@ -100,24 +100,16 @@ class _Stored:
 
 
 # -- path helpers (local paths and fsspec URLs) ----------------------------------------------
-def _is_url(p: str) -> bool:
-    return "://" in p and not p.startswith("file://")
-
-
-def _local(p: str) -> str:
-    return p[len("file://"):] if p.startswith("file://") else p
-
-
 def _join(base: str, name: str) -> str:
-    if _is_url(base):
+    if is_url(base):
         return base.rstrip("/") + "/" + name
-    return os.path.join(_local(base), name)
+    return os.path.join(local_path(base), name)
 
 
 def is_checkpoint_dir(path: str) -> bool:
     """Whether ``path`` (a local directory or fsspec URL) looks like a ckptzip DCP checkpoint: it
     holds the JSON metadata or the commit marker (complete or not; :func:`read_metadata` says)."""
-    if _is_url(path):
+    if is_url(path):
         return _size(_join(path, METADATA_NAME)) is not None or _size(_join(path, COMMIT_NAME)) is not None
     return os.path.isdir(path) and any(os.path.exists(os.path.join(path, n)) for n in (METADATA_NAME, COMMIT_NAME))
 
@@ -128,20 +120,20 @@ def _fs(url: str):
 
 
 def _mkdir(base: str) -> None:
-    if _is_url(base):
+    if is_url(base):
         fs, p = _fs(base)
         fs.makedirs(p, exist_ok=True)
     else:
-        os.makedirs(_local(base), exist_ok=True)
+        os.makedirs(local_path(base), exist_ok=True)
 
 
 def _size(path: str) -> int | None:
     """Size of a file, or None when it does not exist."""
-    if _is_url(path):
+    if is_url(path):
         fs, p = _fs(path)
         return int(fs.size(p)) if fs.exists(p) else None
     try:
-        st = os.stat(_local(path))
+        st = os.stat(local_path(path))
     except FileNotFoundError:
         return None
     import stat
@@ -154,22 +146,22 @@ def _read_bytes(path: str, limit: int) -> bytes | None:
         return None
     if size > limit:
         raise DCPMetadataError(f"{path}: {size} bytes, more than the {limit} allowed")
-    if _is_url(path):
+    if is_url(path):
         fs, p = _fs(path)
         with fs.open(p, "rb") as f:
             return f.read(limit + 1)
-    with open(_local(path), "rb") as f:
+    with open(local_path(path), "rb") as f:
         return f.read(limit + 1)
 
 
 def _remove(path: str) -> None:
     try:
-        if _is_url(path):
+        if is_url(path):
             fs, p = _fs(path)
             if fs.exists(p):
                 fs.rm(p)
         else:
-            os.unlink(_local(path))
+            os.unlink(local_path(path))
     except FileNotFoundError:
         pass
 
