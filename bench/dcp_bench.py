@@ -110,8 +110,8 @@ def train(steps: int, d: int, layers: int, heads: int, ctx: int, batch: int, dev
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95))
     text = corpus().to(dev)
     g = torch.Generator().manual_seed(1 + rank())
-    t0 = time.time()
-    for step in range(steps):
+
+    def one_step(step: int) -> torch.Tensor:
         ix = torch.randint(0, text.numel() - ctx - 1, (batch,), generator=g).to(dev)
         seq = text[ix[:, None] + torch.arange(ctx + 1, device=dev)].long()
         for grp in opt.param_groups:
@@ -121,9 +121,59 @@ def train(steps: int, d: int, layers: int, heads: int, ctx: int, batch: int, dev
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        return loss
+
+    t0 = time.time()
+    for step in range(steps):
+        loss = one_step(step)
         if step % 25 == 0 or step == steps - 1:
             log(f"step {step} loss {loss.item():.3f} ({time.time() - t0:.0f} s)")
-    return model, opt
+    return model, opt, one_step
+
+
+_CKPT_PG = None
+
+
+def ckpt_group():
+    """A gloo group of its own for dcp.async_save: its collectives run in a background thread
+    and must not interleave with the training step's on the default group (torch's advice)."""
+    global _CKPT_PG
+    if _CKPT_PG is None:
+        _CKPT_PG = dist.new_group(backend="gloo")
+    return _CKPT_PG
+
+
+def sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    barrier()
+
+
+def loop_lost(one_step, state, mk_w, path, dev, base_steps: int = 8) -> dict:
+    """Time lost in the training loop to one ``dcp.async_save``: train ``base_steps`` steps
+    without a save (the step time), then issue the save and keep training until its future is
+    done (at least ``base_steps`` steps); lost = that span - steps x step time."""
+    sync(dev)
+    t = time.perf_counter()
+    for i in range(base_steps):
+        one_step(10_000 + i)
+    sync(dev)
+    step_s = (time.perf_counter() - t) / base_steps
+    t = time.perf_counter()
+    fut = dcp.async_save(state, storage_writer=mk_w(path), process_group=ckpt_group())
+    n = 0
+    while True:
+        one_step(20_000 + n)
+        n += 1
+        # every rank must take the same number of steps (FSDP collectives): decide together
+        done = torch.tensor([int(fut.done() and n >= base_steps)], device=dev if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item():
+            break
+    fut.result()
+    sync(dev)
+    span = time.perf_counter() - t
+    return {"step_s": step_s, "steps": n, "span_s": span, "lost_s": span - n * step_s}
 
 
 def u8(t: torch.Tensor) -> torch.Tensor:
@@ -196,6 +246,22 @@ def consolidate_check(path, state, mine):
         elif isinstance(a, torch.Tensor):
             ok &= torch.equal(u8(a.cpu()), u8(b))
     walk(state, full)
+    one = {}
+    if rank() == 0:
+        # the same directory through DCP in ONE process (resharded by DCP's planner, no process
+        # group used), against the consolidated file
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        md = cz.read_metadata(path)
+        sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
+              if isinstance(m, TensorStorageMetadata)}
+        t1 = time.perf_counter()
+        dcp.load(sd, storage_reader=cz.Reader(path), no_dist=True)
+        one["load_1proc_s"] = time.perf_counter() - t1
+        flat, _ = flatten_state_dict(full)
+        one["load_1proc_bit_exact"] = len(sd) > 0 and all(torch.equal(u8(v), u8(flat[k])) for k, v in sd.items())
+        ok &= one["load_1proc_bit_exact"]
+        del sd, flat
     del full
     flag = torch.tensor([int(ok)], device=mine[0].device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -203,7 +269,7 @@ def consolidate_check(path, state, mine):
     size = os.path.getsize(out) if rank() == 0 else None
     if rank() == 0:
         os.remove(out)
-    return {"s": dt, "bytes": size, "bit_exact": bool(flag.item())}
+    return {"s": dt, "bytes": size, "bit_exact": bool(flag.item()), **one}
 
 
 def methods(args):
@@ -236,6 +302,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where dcp_bench.json goes")
     ap.add_argument("--reps", type=int, default=2, help="saves per method (default 2)")
     ap.add_argument("--no-consolidate", action="store_true", help="skip ckptzip consolidate + its check")
+    ap.add_argument("--no-loop", action="store_true", help="skip the time lost in the training loop per async save")
     a = ap.parse_args()
     backend = a.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend)
@@ -244,7 +311,7 @@ def main():
     dev = torch.device("cuda", lr % ngpu) if ngpu else torch.device("cpu")
     if ngpu:
         torch.cuda.set_device(dev)
-    model, opt = train(a.steps, a.d, a.layers, a.heads, a.ctx, a.batch, dev)
+    model, opt, one_step = train(a.steps, a.d, a.layers, a.heads, a.ctx, a.batch, dev)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
     params = sum(p.numel() for p in model.parameters())
@@ -300,7 +367,8 @@ def main():
                 if ngpu:
                     torch.cuda.synchronize()
                 t = time.perf_counter()
-                fut = dcp.async_save(state, storage_writer=mk_w(path + f"_async{rep}"))
+                fut = dcp.async_save(state, storage_writer=mk_w(path + f"_async{rep}"),
+                                     process_group=ckpt_group())
                 if ngpu:
                     torch.cuda.current_stream().synchronize()
                 stalls.append(time.perf_counter() - t)
@@ -320,20 +388,34 @@ def main():
         barrier()
         res["methods"][name] = r
         log(name, json.dumps(r))
+    if not a.no_loop:
+        # last, since training on changes the saved state: time lost in the loop per async save
+        for name, (mk_w, _mk_r) in methods(a).items():
+            path = os.path.join(a.disk, "loop_" + name.replace(" ", "_").replace("+", "p").replace(".", ""))
+            r = loop_lost(one_step, state, mk_w, path, dev)
+            res["methods"][name]["loop"] = r
+            log(name, "loop", json.dumps(r))
+            if rank() == 0:
+                shutil.rmtree(path, ignore_errors=True)
+            barrier()
     if rank() == 0:
         base = res["methods"]["DCP FileSystemWriter"]
-        lines = ["| method | ratio | save s (2 runs) | load s | async stall s | peak extra GPU MiB (save) | peak extra RSS MiB (save / async) | bit-exact |",
-                 "|---|---|---|---|---|---|---|---|"]
+        lines = ["| method | ratio | save s (2 runs) | load s | async stall s | loop time lost s | peak extra GPU MiB (save / async) | peak extra RSS MiB (save / async) | bit-exact |",
+                 "|---|---|---|---|---|---|---|---|---|"]
         for name, r in res["methods"].items():
             lines.append(f"| {name} | {r['ratio']:.4f} | {' / '.join(f'{x:.2f}' for x in r['save_s'])} | "
                          f"{r['load_s']:.2f} | {statistics.median(r['async_stall_s']):.3f} | "
-                         f"{max(r['save_gpu_mib']):.0f} | {max(r['save_rss_mib']):.0f} / {max(r['async_rss_mib']):.0f} | "
+                         f"{r['loop']['lost_s'] if 'loop' in r else float('nan'):.2f} | "
+                         f"{max(r['save_gpu_mib']):.0f} / {max(r['async_gpu_mib']):.0f} | "
+                         f"{max(r['save_rss_mib']):.0f} / {max(r['async_rss_mib']):.0f} | "
                          f"{r['bit_exact']} |")
         cz = res["methods"]["ckptzip dcp.Writer"]
         lines.append("")
         lines.append(f"ckptzip vs DCP: save {min(cz['save_s']) / min(base['save_s']):.2f}x, load "
                      f"{cz['load_s'] / base['load_s']:.2f}x, async stall "
                      f"{statistics.median(cz['async_stall_s']) / statistics.median(base['async_stall_s']):.3f}x")
+        if "consolidate" in cz:
+            lines.append(f"ckptzip consolidate: {json.dumps(cz['consolidate'])}")
         print("\n".join(lines), flush=True)
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "dcp_bench.json"), "w") as f:
