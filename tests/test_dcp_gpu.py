@@ -57,6 +57,12 @@ def _rank_main(rank, world, port, path, phase):
         st = _state(rank, world)
         if phase == "save":
             dcp.save(st, storage_writer=ckptzip.dcp.Writer(path))
+        elif phase == "async":
+            # the stall is the GPU compression; training may change the shards at once
+            fut = dcp.async_save(st, storage_writer=ckptzip.dcp.Writer(path))
+            for v in st["t"].values():
+                v.to_local().add_(1.0)
+            fut.result()
         else:
             tgt = _state(rank, world)
             for v in tgt["t"].values():
@@ -94,3 +100,18 @@ def test_two_ranks_share_one_gpu_and_compress_their_shards(tmp_path):
     for k, v in full.items():
         assert torch.equal(_bits(v), _bits(one["t"][k])), k
     assert one["step"] == 7
+
+
+def test_async_save_two_ranks_on_one_gpu(tmp_path):
+    """dcp.async_save through Writer.stage with CUDA shards: the shards change right after the
+    call returns; the checkpoint holds them as they were at the call, compressed on the GPU."""
+    path = str(tmp_path / "ck")
+    mp.spawn(_rank_main, args=(2, _free_port(), path, "async"), nprocs=2, join=True)
+    for f in sorted(f for f in os.listdir(path) if f.endswith("_0.ckz")):
+        with ckptzip.open(os.path.join(path, f)) as r:
+            assert any(s["device"].startswith("cuda") for s in r.storages)
+    full = _full()
+    got = {"t": {k: torch.zeros_like(v) for k, v in full.items()}, "step": 0}
+    dcp.load(got, storage_reader=ckptzip.dcp.Reader(path))
+    for k, v in full.items():
+        assert torch.equal(_bits(v), _bits(got["t"][k])), k

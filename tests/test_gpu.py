@@ -175,3 +175,32 @@ def test_ans_chunk_claiming_a_larger_size_is_an_exception(tmp_path, claim):
     x = torch.randn(100_000, device="cuda")
     ckptzip.save({"x": x}, q, codec="ans")
     assert same_bits(ckptzip.load(q, map_location="cuda")["x"], x)
+
+
+@pytest.mark.parametrize("gpu_snapshot_bytes", [None, 1])
+def test_async_save_gpu_state(tmp_path, gpu_snapshot_bytes):
+    """async_save of CUDA tensors: the snapshot is the GPU compression (default: kept on the GPU,
+    no host arena reserved; ``gpu_snapshot_bytes=1``: every group copied to the host in the
+    call); the state changes right after the call; the file holds it as it was, and every
+    pinned buffer the writer leased is given back."""
+    from ckptzip.asyncsave import Arena, snapshot
+    from ckptzip.engine import PINNED
+    s = state()
+    before = {k: v.clone() for k, v in s.items()}
+    arena = Arena()
+    snap = snapshot(s, device="cuda", arena=arena, gpu_snapshot_bytes=gpu_snapshot_bytes)
+    if gpu_snapshot_bytes is None:
+        assert arena.capacity <= (1 << 20), arena.capacity  # only the small CPU tensor's bytes
+    for v in s.values():
+        if v.is_floating_point() and v.numel():
+            v.add_(1)
+    snap.write(tmp_path / "a.ckz")
+    assert not PINNED._leased
+    back = ckptzip.load(tmp_path / "a.ckz", map_location="cuda")
+    for k, v in before.items():
+        assert same_bits(back[k], v), k
+    h = ckptzip.async_save(before, tmp_path / "b.ckz", device="cuda", gpu_snapshot_bytes=gpu_snapshot_bytes)
+    h.wait()
+    back = ckptzip.load(tmp_path / "b.ckz", map_location="cpu")
+    for k, v in before.items():
+        assert same_bits(back[k], v), k

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from .pipeline import prepare, write
-from .engine import DEFAULT_CHUNK, encode_group_arrays, gather_gpu
+from .engine import DEFAULT_CHUNK, PINNED, encode_group_arrays, gather_gpu
 
 
 class Arena:
@@ -213,23 +213,25 @@ atexit.register(_exit_status)
 
 class _OnGPU:
     """A compressed group kept on the GPU during the snapshot; the background writer copies it
-    to the host arena (:meth:`fetch`) and then lets the GPU memory go."""
+    into a pooled pinned buffer (:meth:`fetch`, at most one window) and then lets the GPU memory
+    go. So the host memory of an async save on a GPU is a few pooled windows, not the checkpoint."""
 
-    def __init__(self, buf: torch.Tensor, rel, per_unit: list, packed: torch.cuda.Event, arena: Arena) -> None:
-        self.buf, self.rel, self.per_unit, self._packed, self.arena = buf, rel, per_unit, packed, arena
+    def __init__(self, buf: torch.Tensor, rel, per_unit: list, packed: torch.cuda.Event) -> None:
+        self.buf, self.rel, self.per_unit, self._packed = buf, rel, per_unit, packed
 
     def fetch(self) -> tuple:
+        """(pinned host buffer leased from ``PINNED``: the writer gives it back, rows, chunks per unit)."""
         buf, self.buf = self.buf, None
-        host, done = _copy_to_host(buf, self._packed, self.arena)
+        host, done = _copy_to_host(buf, self._packed, PINNED.acquire)
         done.synchronize()
         return host, self.rel, self.per_unit
 
 
-def _copy_to_host(buf: torch.Tensor, after: torch.cuda.Event, arena: Arena) -> tuple[torch.Tensor, torch.cuda.Event]:
-    """Copy a GPU buffer into an arena slice on the device's side stream once ``after`` has
-    happened; returns the slice and the event that marks the copy done."""
+def _copy_to_host(buf: torch.Tensor, after: torch.cuda.Event, take) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """Copy a GPU buffer into ``take(n)`` (pinned host memory) on the device's side stream once
+    ``after`` has happened; returns the host buffer and the event that marks the copy done."""
     stream = _copy_stream(buf.device)
-    host = arena.take(buf.numel())
+    host = take(buf.numel())
     with torch.cuda.device(buf.device), torch.cuda.stream(stream):
         stream.wait_event(after)
         host.copy_(buf, non_blocking=True)
@@ -256,9 +258,12 @@ def _snapshot(prep, gpu_bytes: int | None, arena: Arena) -> list:
     bytes, copied to the host later by the writer), (host, rows, chunks per unit) for a group
     copied to the host now (once the GPU snapshot would exceed ``gpu_bytes``), or None (raw bytes
     copied to the host, encoded later: CPU codecs)."""
-    # upper bound: stored bytes never exceed raw bytes; plus alignment padding per chunk and group
-    bound = sum(u.data.numel() + 16 * len(u.sizes) for grp in prep.groups for u in grp) + 64 * len(prep.groups)
-    arena.reset(bound)
+    # The arena holds the raw bytes of CPU-encoded groups (reserved now, so it never grows
+    # mid-snapshot); GPU groups stay on the GPU (pinning host memory for them here made the first
+    # stall seconds long) unless they overflow ``gpu_bytes``, then the arena grows for them.
+    bound = sum(u.data.numel() + 16 * len(u.sizes) for grp in prep.groups if grp[0].plan.codec.device != "cuda"
+                for u in grp)
+    arena.reset(bound + 64 * len(prep.groups) if bound else 0)
     if gpu_bytes is None and torch.cuda.is_available():
         gpu_bytes = torch.cuda.mem_get_info()[0] // 4
     staged = []
@@ -276,11 +281,11 @@ def _snapshot(prep, gpu_bytes: int | None, arena: Arena) -> list:
             packed.record()
             if held + buf.numel() <= (gpu_bytes or 0):
                 held += buf.numel()
-                staged.append(_OnGPU(buf, rel, per_unit, packed, arena))
+                staged.append(_OnGPU(buf, rel, per_unit, packed))
             else:
                 # over the GPU snapshot budget: copy to the host now, on the side stream, while
                 # the next group compresses
-                host, done = _copy_to_host(buf, packed, arena)
+                host, done = _copy_to_host(buf, packed, arena.take)
                 inflight.append(done)
                 staged.append((host, rel, per_unit))
         else:

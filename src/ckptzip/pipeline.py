@@ -84,8 +84,12 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
             for gi, grp in enumerate(prep.groups):
                 if staged is not None and staged[gi] is not None:
                     ent, staged[gi] = staged[gi], None
-                    host, rel, per_unit = ent.fetch() if hasattr(ent, "fetch") else ent
-                    w.add_staged(host, rel)
+                    if hasattr(ent, "fetch"):  # kept on the GPU: copied into a pooled pinned buffer now
+                        host, rel, per_unit = ent.fetch()
+                        w.add_pooled(host, rel)
+                    else:
+                        host, rel, per_unit = ent
+                        w.add_staged(host, rel)
                     del ent
                 else:
                     enc = encode_group_arrays(grp)

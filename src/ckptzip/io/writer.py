@@ -91,6 +91,15 @@ class ChunkWriter:
         host, rel = stage_encoded(enc, PINNED.acquire)
         self._enqueue((slot, host), host, rel)
 
+    def add_pooled(self, host: torch.Tensor, rel: np.ndarray) -> None:
+        """Append a packed group held in a buffer leased from ``PINNED`` (given back once
+        written); waits while two windows are in flight, as :meth:`add` does."""
+        self._check()
+        self._start_thread()
+        slot = self._free.get()
+        self._check()
+        self._enqueue((slot, host), host, rel)
+
     def add_staged(self, host: torch.Tensor, rel: np.ndarray) -> None:
         """Append a group staged earlier by :func:`stage_encoded` (its buffer is not recycled)."""
         self._check()
