@@ -196,8 +196,8 @@ def main() -> None:
             assert torch.equal(back[k][n].view(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), n
     for i, st in s2["optimizer"]["state"].items():
         for n, v in st.items():
-            assert torch.equal(back["optimizer"]["state"][i][n].reshape(-1).view(torch.uint8),
-                               v.reshape(-1).view(torch.uint8)), (i, n)
+            assert torch.equal(back["optimizer"]["state"][i][n].cpu().reshape(-1).view(torch.uint8),
+                               v.cpu().reshape(-1).view(torch.uint8)), (i, n)
     del back
     full_s, incr_s = timed_load(p2, a.device, a.reps), timed_load(p2i, a.device, a.reps)
     res["load_s"] = {"standalone": round(full_s, 4), "incremental": round(incr_s, 4),

@@ -137,6 +137,8 @@ def test_lazy_reader_reads_one_tensor(tmp_path, small_state):
         w = r.get_tensor("model.2.bias")
         assert same_bits(w, small_state["model"]["2.bias"])
         assert len(r._cache) == 1  # only that tensor's storage was decoded
+        w2 = r.get_tensor("model.0.weight", keep=False)  # returned, not kept by the reader
+        assert same_bits(w2, small_state["model"]["0.weight"]) and len(r._cache) == 1
         with pytest.raises(ckptzip.TensorNotFoundError):
             r.get_tensor("nope")
 

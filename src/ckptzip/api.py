@@ -393,12 +393,20 @@ class CheckpointReader:
     def _total_bytes(self) -> int:
         return self.manifest.total_nbytes
 
-    def get_tensor(self, key: str) -> Any:
-        """One tensor (or numpy array) by dotted key, reading only its own chunks."""
+    def get_tensor(self, key: str, *, keep: bool = True) -> Any:
+        """One tensor (or numpy array) by dotted key, reading only its own chunks. The reader
+        keeps the storages it decoded (tensors sharing one come back as views of it) until it is
+        closed; ``keep=False`` lets them go once returned (memory bounded by what the caller
+        holds: the DCP reader serves a file tensor by tensor this way)."""
         node = self._node(key)
         if node is None:
             raise TensorNotFoundError(key)
-        return Decoder(self._storage, self.allow_pickle).decode(node)
+        before = set(self._cache) if not keep else None
+        out = Decoder(self._storage, self.allow_pickle).decode(node)
+        if before is not None:
+            for i in set(self._cache) - before:
+                del self._cache[i]
+        return out
 
     def load(self) -> Any:
         """The whole object, as ``ckptzip.load`` returns it."""

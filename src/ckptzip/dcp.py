@@ -738,9 +738,12 @@ def _safe_bytes(raw: bytes, what: str) -> io.BytesIO:
 class Reader(_PathId, StorageReader):
     """DCP ``StorageReader`` for checkpoints written by :class:`Writer`. Never unpickles the
     metadata; bytes items are loaded through ``torch.load(weights_only=True)`` unless
-    ``allow_pickle=True``. ``cache_bytes`` bounds decoded data kept between read items of one file."""
+    ``allow_pickle=True``. ``cache_bytes`` (default 0): decoded chunks kept beyond the one being
+    served (read items are served chunk by chunk, so more only helps an unusual planner); the
+    memory a load adds on the target's device is then one decoded chunk plus the engine's
+    decode window."""
 
-    def __init__(self, path: str | os.PathLike, *, allow_pickle: bool = False, cache_bytes: int = 1 << 30) -> None:
+    def __init__(self, path: str | os.PathLike, *, allow_pickle: bool = False, cache_bytes: int = 0) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.allow_pickle = allow_pickle
@@ -793,7 +796,7 @@ class Reader(_PathId, StorageReader):
 
     def _read_file(self, name: str, reqs: list, planner: LoadPlanner) -> None:
         path = _join(self.path, name)
-        readers: dict[str, Any] = {}  # device -> [CheckpointReader, bytes decoded through it]
+        readers: dict[str, Any] = {}  # device -> CheckpointReader
         cache: collections.OrderedDict[tuple[str, str], torch.Tensor] = collections.OrderedDict()
         cached = 0
 
@@ -803,30 +806,24 @@ class Reader(_PathId, StorageReader):
             if ck in cache:
                 cache.move_to_end(ck)
                 return cache[ck]
+            while cache and cached > self.cache_bytes:  # drop before decoding the next chunk
+                _, old = cache.popitem(last=False)
+                cached -= old.numel() * old.element_size()
             ent = readers.get(str(device))
-            # CheckpointReader keeps what it decoded until closed: reopen it past the budget.
-            if ent is not None and ent[1] > self.cache_bytes:
-                ent[0].close()
-                ent = None
             if ent is None:
-                ent = readers[str(device)] = [ckptzip.open(path, map_location=device), 0]
-                if ent[0].metadata.get("ckptzip.lossy") == "1":  # not a rank file of ours: never resume from it
+                ent = readers[str(device)] = ckptzip.open(path, map_location=device)
+                if ent.metadata.get("ckptzip.lossy") == "1":  # not a rank file of ours: never resume from it
                     from .lossy.errors import LossyCheckpointError
-                    ent[0].close()
+                    ent.close()
                     raise LossyCheckpointError(f"{path} is a lossy weights-only export, not a rank file")
             try:
-                t = ent[0].get_tensor(key)
+                t = ent.get_tensor(key, keep=False)
             except KeyError:
                 raise DCPMetadataError(f"{path}: holds no item {key!r}") from None
             if not isinstance(t, torch.Tensor):
                 raise DCPMetadataError(f"{path}: item {key!r} is not a tensor")
-            n = t.numel() * t.element_size()
-            ent[1] += n
             cache[ck] = t
-            cached += n
-            while cached > self.cache_bytes and len(cache) > 1:
-                _, old = cache.popitem(last=False)
-                cached -= old.numel() * old.element_size()
+            cached += t.numel() * t.element_size()
             return t
 
         try:
@@ -855,8 +852,9 @@ class Reader(_PathId, StorageReader):
                 target.copy_(src)
                 planner.commit_tensor(req, target)
         finally:
+            cache.clear()
             for ent in readers.values():
-                ent[0].close()
+                ent.close()
 
 
 # -- consolidation -------------------------------------------------------------------------------
