@@ -488,3 +488,55 @@ def test_both_budgets_size_wins_and_loss_is_reported(tmp_path):
                       eval_fn=eval_fn, force=True)
         assert r["bpw"] <= target
         assert r["loss"]["met"] == (r["loss"]["measured"] - 1.0 <= 0.001)
+
+
+# -- stalled correction: tensors whose single damage is ~0 but whose joint damage is large --------
+_SYN_SCHEMES = {"int2": (2.5, 0.35), "int3": (3.5, 0.17), "int4": (4.5, 0.08), "int5": (5.5, 0.04),
+                "int6": (6.5, 0.02), "int8": (8.5, 0.005), "bf16": (16.0, 0.002)}
+_SYN_CULPRITS = ("t3", "t11")
+
+
+def _stalled_case(n=16, numel=1_000_000):
+    """A measured table + joint eval as in the H100 export run: every tensor's true damage is
+    k_t * err^2 (jointly 1.3x the sum: interactions), but two tensors (t3, t11) measured ~0 or
+    negative alone at int2..int4, while each costs +2e-3 (2x the 1e-3 budget) jointly at those
+    schemes. Returns (raw table, joint_damage, the all-bf16 bits)."""
+    ks = {f"t{i}": 1e-3 * (0.5 + 1.5 * ((7 * i) % n) / (n - 1)) for i in range(n)}
+    noise = {"int2": -2e-5, "int3": 1e-6, "int4": -5e-6}
+    table = {}
+    for t, k in ks.items():
+        table[t] = {}
+        for s, (bpw, err) in _SYN_SCHEMES.items():
+            d = k * err ** 2
+            if t in _SYN_CULPRITS and s in noise:
+                d = noise[s]
+            table[t][s] = {"bits": bpw * numel, "err": err, "damage": d}
+
+    def joint(choice):
+        d = 1.3 * sum(ks[t] * _SYN_SCHEMES[s][1] ** 2 for t, s in choice.items())
+        return d + sum(2e-3 for t in _SYN_CULPRITS if choice[t] in noise)
+    return table, joint, n * 16.0 * numel
+
+
+def test_clean_damages_monotone_and_floored():
+    from ckptzip.lossy import alloc
+    table, _, _ = _stalled_case()
+    info = {}
+    eff = alloc.effective(table, "measured", info)
+    cl, cinfo = alloc.clean(table)
+    assert info == cinfo and info["kappa"] > 0 and info["n_floored"] >= 6
+    ks = sorted(1e-3 * (0.5 + 1.5 * ((7 * i) % 16) / 15) for i in range(16))
+    assert ks[0] <= info["kappa"] <= ks[8]  # a low quantile of measured / proxy
+    for n, opts in cl.items():
+        order = sorted(opts, key=lambda s: opts[s]["err"])  # finest first
+        ds = [opts[s]["damage"] for s in order]
+        assert all(b >= a for a, b in zip(ds, ds[1:])), (n, ds)  # coarser: never less damage
+        assert all(opts[s]["damage"] >= info["kappa"] * alloc.proxy(n, opts[s]) * (1 - 1e-12) for s in opts)
+        assert all(opts[s]["damage_raw"] == table[n][s]["damage"] for s in opts)
+        assert all(eff[n][s]["damage_measured"] == table[n][s]["damage"] for s in opts)
+        assert all(eff[n][s]["damage_clean"] == opts[s]["damage"] for s in opts)
+    # the culprits' int2 is no longer free: at least the floor, not the measured -2e-5
+    for c in _SYN_CULPRITS:
+        assert cl[c]["int2"]["damage"] >= info["kappa"] * 0.35 ** 2 > 0
+    # entries already positive and monotone are kept as measured
+    assert cl["t9"]["int2"]["damage"] == table["t9"]["int2"]["damage"]  # t9: the largest k_t

@@ -140,7 +140,54 @@ def _fill(table: dict, choice: dict[str, str], left: float) -> None:
         left -= dc
 
 
-def effective(table: dict[str, dict[str, dict[str, float]]], model: str = "fit") -> dict:
+def proxy(name: str, row: Mapping[str, float]) -> float:
+    """The calibration-free damage proxy of one (tensor, scheme): role weight * relative error^2."""
+    return role_weight(name) * float(row.get("err", 0.0)) ** 2
+
+
+def clean(table: dict[str, dict[str, dict[str, float]]], quantile: float = 0.25
+          ) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, Any]]:
+    """Measured single-tensor damages made fit for allocation: (copy of ``table``, info).
+
+    A single-tensor eval can measure ~0 or a negative increase for a scheme that does hurt (held-out
+    noise, or quantizing one tensor lowering the loss by chance); the additive greedy then treats
+    that scheme as free. Two rules, per entry, the raw value kept in ``damage_raw``:
+
+    * floor: ``damage >= kappa * proxy`` (``proxy`` = role weight * err^2, the eval-free damage),
+      ``kappa`` the ``quantile`` (25th percentile) of ``damage / proxy`` over the entries whose
+      measured damage is clearly positive (> 2x the largest negative damage of the table, the noise
+      level); no such entry: no floor;
+    * monotone: per tensor, along its schemes from the finest (smallest err, then most bits) to the
+      coarsest, a running max: a coarser scheme never has a lower damage than a finer one.
+
+    info: ``kappa``, ``noise``, ``n_floored`` and ``n_monotone`` (entries each rule raised)."""
+    dmg = [r["damage"] for opts in table.values() for r in opts.values()]
+    noise = max([-d for d in dmg if d < 0], default=0.0)
+    ratios = sorted(r["damage"] / p for n, opts in table.items() for r in opts.values()
+                    if r["damage"] > 2 * noise and r["damage"] > 0 and (p := proxy(n, r)) > 0)
+    kappa = ratios[min(int(quantile * len(ratios)), len(ratios) - 1)] if ratios else 0.0
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    n_floor = n_mono = 0
+    for n, opts in table.items():
+        order = sorted(opts, key=lambda s: (opts[s].get("err", 0.0), -opts[s]["bits"]))
+        run = -float("inf")
+        row_out = {}
+        for s in order:
+            r = opts[s]
+            d = r["damage"]
+            f = kappa * proxy(n, r)
+            if f > d:
+                d, n_floor = f, n_floor + 1
+            if run > d:
+                d, n_mono = run, n_mono + 1
+            run = d
+            row_out[s] = {**r, "damage": d, "damage_raw": r["damage"]}
+        out[n] = {s: row_out[s] for s in opts}
+    return out, {"kappa": kappa, "noise": noise, "n_floored": n_floor, "n_monotone": n_mono}
+
+
+def effective(table: dict[str, dict[str, dict[str, float]]], model: str = "fit",
+              info: dict[str, Any] | None = None) -> dict:
     """A copy of ``table`` whose ``damage`` is what allocate() should optimize (the measured value
     stays in ``damage_measured``).
 
@@ -148,9 +195,15 @@ def effective(table: dict[str, dict[str, dict[str, float]]], model: str = "fit")
     (dominated by the cheap schemes, whose damages stand far above the eval noise), so that the
     near-lossless schemes get a smooth, positive damage instead of noise; ``"measured"``: the
     measured damage clamped at 0. Both add ``1e-6 * (median k) * err^2`` (never 0), which only
-    breaks ties: leftover bits go to the largest errors, instead of stopping where noise said 0."""
+    breaks ties: leftover bits go to the largest errors, instead of stopping where noise said 0.
+    Both start from the cleaned damages (``clean``: floor ``kappa * proxy``, monotone in the
+    scheme's error; kept in ``damage_clean``); ``info`` (a dict) receives ``clean``'s info."""
     if model not in ("fit", "measured"):
         raise ValueError(f"damage model must be 'fit' or 'measured', not {model!r}")
+    raw = table
+    table, cinfo = clean(raw)
+    if info is not None:
+        info.update(cinfo)
     ks = {}
     for n, opts in table.items():
         num = sum(r["damage"] * r["err"] ** 2 for r in opts.values())
@@ -164,7 +217,8 @@ def effective(table: dict[str, dict[str, dict[str, float]]], model: str = "fit")
         for s, r in opts.items():
             e2 = r["err"] ** 2
             d = ks[n] * e2 if model == "fit" else max(r["damage"], 0.0)
-            out[n][s] = {**r, "damage": d + tie * e2, "damage_measured": r["damage"]}
+            out[n][s] = {**raw[n][s], "damage": d + tie * e2, "damage_measured": raw[n][s]["damage"],
+                         "damage_clean": r["damage"]}
     return out
 
 
