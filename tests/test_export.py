@@ -540,3 +540,50 @@ def test_clean_damages_monotone_and_floored():
         assert cl[c]["int2"]["damage"] >= info["kappa"] * 0.35 ** 2 > 0
     # entries already positive and monotone are kept as measured
     assert cl["t9"]["int2"]["damage"] == table["t9"]["int2"]["damage"]  # t9: the largest k_t
+
+
+@pytest.mark.parametrize("model", ["measured", "fit"])
+def test_stalled_correction_pins_culprits_and_meets_budget(model):
+    from ckptzip.lossy import alloc
+    table, joint, bf16_bits = _stalled_case()
+    budget = 1e-3
+    eff = alloc.effective(table, model)
+    choice, info = alloc.correct_loss(eff, joint, budget, max_evals=16)
+    bits = alloc.predicted(table, choice)[0]
+    assert info["met"] and joint(choice) <= budget
+    assert bits < 0.6 * bf16_bits, (bits / bf16_bits, info)  # most tensors stay quantized
+    assert sum(s != "bf16" for s in choice.values()) >= 12
+    assert set(info["pinned"]) == set(_SYN_CULPRITS)
+    assert info["evals"] <= 16 and any(r["kind"] == "group" for r in info["rounds"])
+    # the cleaned damages alone (no group testing) also meet it, but with far less of the budget used
+    c0, i0 = alloc.correct_loss(eff, joint, budget, max_evals=16, stall_tau=float("inf"))
+    assert i0["met"] and not i0["pinned"] and alloc.predicted(table, c0)[0] > bits
+    # with 8 evals there are too few left for group testing after the stall: the scaling goes on
+    c8, i8 = alloc.correct_loss(eff, joint, budget, max_evals=8)
+    assert i8["met"] and i8["evals"] <= 8 and joint(c8) <= budget
+    assert alloc.predicted(table, c8)[0] < 0.6 * bf16_bits
+
+
+def test_no_group_test_when_damage_is_spread():
+    """Joint damage 3x the sum of the single ones, no culprit: the scaling alone meets the budget,
+    no stall, nothing pinned."""
+    from ckptzip.lossy import alloc
+    table, _, bf16_bits = _stalled_case()
+    ks = {t: o["int2"]["damage"] / 0.35 ** 2 for t, o in table.items() if t not in _SYN_CULPRITS}
+    table = {t: o for t, o in table.items() if t in ks}
+
+    def joint(choice):
+        return 3.0 * sum(ks[t] * _SYN_SCHEMES[s][1] ** 2 for t, s in choice.items())
+    choice, info = alloc.correct_loss(alloc.effective(table, "measured"), joint, 1e-3, max_evals=16)
+    assert info["met"] and not info["pinned"] and all(r["kind"] == "alloc" for r in info["rounds"])
+    assert joint(choice) <= 1e-3 and alloc.predicted(table, choice)[0] < 0.4 * bf16_bits
+
+
+def test_stalled_correction_without_fix_goes_to_bf16():
+    """The failure this guards against: raw damages (clamped at 0) and no group testing (a stall
+    never detected): the correction meets the budget only by moving nearly everything to bf16."""
+    from ckptzip.lossy import alloc
+    table, joint, bf16_bits = _stalled_case()
+    raw = {n: {s: {**r, "damage": max(r["damage"], 0.0)} for s, r in o.items()} for n, o in table.items()}
+    choice, info = alloc.correct_loss(raw, joint, 1e-3, max_evals=16, stall_tau=float("inf"))
+    assert alloc.predicted(table, choice)[0] > 0.6 * bf16_bits or not info["met"]

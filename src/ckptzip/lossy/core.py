@@ -81,7 +81,7 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
            dtype: torch.dtype = torch.bfloat16, device: str | None = None,
            candidates: Iterable[str] | None = None, search: bool = True, measure: bool = True,
            sensitivity: Mapping[str, Any] | None = None, damage_model: str = "measured", correct: bool = True,
-           max_evals: int = 8) -> dict[str, Any]:
+           max_evals: int = 16) -> dict[str, Any]:
     """Write a weights-only lossy export of ``src`` to ``dst`` and return the report.
 
     ``scheme``: ``"auto"`` (per-tensor allocation), or one scheme for every quantizable tensor
