@@ -18,6 +18,7 @@ spent (``bpw``) or the predicted loss increase is within budget (``max_loss_incr
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -140,7 +141,54 @@ def _fill(table: dict, choice: dict[str, str], left: float) -> None:
         left -= dc
 
 
-def effective(table: dict[str, dict[str, dict[str, float]]], model: str = "fit") -> dict:
+def proxy(name: str, row: Mapping[str, float]) -> float:
+    """The calibration-free damage proxy of one (tensor, scheme): role weight * relative error^2."""
+    return role_weight(name) * float(row.get("err", 0.0)) ** 2
+
+
+def clean(table: dict[str, dict[str, dict[str, float]]], quantile: float = 0.25
+          ) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, Any]]:
+    """Measured single-tensor damages made fit for allocation: (copy of ``table``, info).
+
+    A single-tensor eval can measure ~0 or a negative increase for a scheme that does hurt (held-out
+    noise, or quantizing one tensor lowering the loss by chance); the additive greedy then treats
+    that scheme as free. Two rules, per entry, the raw value kept in ``damage_raw``:
+
+    * floor: ``damage >= kappa * proxy`` (``proxy`` = role weight * err^2, the eval-free damage),
+      ``kappa`` the ``quantile`` (25th percentile) of ``damage / proxy`` over the entries whose
+      measured damage is clearly positive (> 2x the largest negative damage of the table, the noise
+      level); no such entry: no floor;
+    * monotone: per tensor, along its schemes from the finest (smallest err, then most bits) to the
+      coarsest, a running max: a coarser scheme never has a lower damage than a finer one.
+
+    info: ``kappa``, ``noise``, ``n_floored`` and ``n_monotone`` (entries each rule raised)."""
+    dmg = [r["damage"] for opts in table.values() for r in opts.values()]
+    noise = max([-d for d in dmg if d < 0], default=0.0)
+    ratios = sorted(r["damage"] / p for n, opts in table.items() for r in opts.values()
+                    if r["damage"] > 2 * noise and r["damage"] > 0 and (p := proxy(n, r)) > 0)
+    kappa = ratios[min(int(quantile * len(ratios)), len(ratios) - 1)] if ratios else 0.0
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    n_floor = n_mono = 0
+    for n, opts in table.items():
+        order = sorted(opts, key=lambda s: (opts[s].get("err", 0.0), -opts[s]["bits"]))
+        run = -float("inf")
+        row_out = {}
+        for s in order:
+            r = opts[s]
+            d = r["damage"]
+            f = kappa * proxy(n, r)
+            if f > d:
+                d, n_floor = f, n_floor + 1
+            if run > d:
+                d, n_mono = run, n_mono + 1
+            run = d
+            row_out[s] = {**r, "damage": d, "damage_raw": r["damage"]}
+        out[n] = {s: row_out[s] for s in opts}
+    return out, {"kappa": kappa, "noise": noise, "n_floored": n_floor, "n_monotone": n_mono}
+
+
+def effective(table: dict[str, dict[str, dict[str, float]]], model: str = "fit",
+              info: dict[str, Any] | None = None) -> dict:
     """A copy of ``table`` whose ``damage`` is what allocate() should optimize (the measured value
     stays in ``damage_measured``).
 
@@ -148,9 +196,15 @@ def effective(table: dict[str, dict[str, dict[str, float]]], model: str = "fit")
     (dominated by the cheap schemes, whose damages stand far above the eval noise), so that the
     near-lossless schemes get a smooth, positive damage instead of noise; ``"measured"``: the
     measured damage clamped at 0. Both add ``1e-6 * (median k) * err^2`` (never 0), which only
-    breaks ties: leftover bits go to the largest errors, instead of stopping where noise said 0."""
+    breaks ties: leftover bits go to the largest errors, instead of stopping where noise said 0.
+    Both start from the cleaned damages (``clean``: floor ``kappa * proxy``, monotone in the
+    scheme's error; kept in ``damage_clean``); ``info`` (a dict) receives ``clean``'s info."""
     if model not in ("fit", "measured"):
         raise ValueError(f"damage model must be 'fit' or 'measured', not {model!r}")
+    raw = table
+    table, cinfo = clean(raw)
+    if info is not None:
+        info.update(cinfo)
     ks = {}
     for n, opts in table.items():
         num = sum(r["damage"] * r["err"] ** 2 for r in opts.values())
@@ -164,7 +218,8 @@ def effective(table: dict[str, dict[str, dict[str, float]]], model: str = "fit")
         for s, r in opts.items():
             e2 = r["err"] ** 2
             d = ks[n] * e2 if model == "fit" else max(r["damage"], 0.0)
-            out[n][s] = {**r, "damage": d + tie * e2, "damage_measured": r["damage"]}
+            out[n][s] = {**raw[n][s], "damage": d + tie * e2, "damage_measured": raw[n][s]["damage"],
+                         "damage_clean": r["damage"]}
     return out
 
 
@@ -174,7 +229,8 @@ def cheapest(table: dict) -> dict[str, str]:
 
 
 def correct_loss(table: dict, joint_damage: Callable[[dict[str, str]], float], max_damage: float, *,
-                 budget_bits: float | None = None, max_evals: int = 8, slack: float = 0.85
+                 budget_bits: float | None = None, max_evals: int = 8, slack: float = 0.85,
+                 stall_tau: float = 3.0, stall_damage: float = 0.7
                  ) -> tuple[dict[str, str], dict[str, Any]]:
     """Meet a loss budget measured on the joint choice, not on the sum of single-tensor damages.
 
@@ -185,28 +241,74 @@ def correct_loss(table: dict, joint_damage: Callable[[dict[str, str]], float], m
     their next safer scheme (a batch: all upgrades until the scaled prediction fits), or back
     when the choice was well within budget. Targets stay strictly between the largest feasible
     and the smallest infeasible tau tried (bisection when the ratio step would leave that bracket).
+
+    Stall: when an infeasible round's ``tau`` is ``stall_tau`` (3x) or more below an earlier
+    infeasible round's and its ``D`` is still >= ``stall_damage`` (0.7x) of that round's, the damage
+    sits in tensors the scaling does not move (predicted ~0, measured large jointly). If at least
+    ``2 * ceil(log2(quantized tensors)) + 2`` evals are left, they are found by group testing
+    (``_group_test``: halving, one eval per step, on the current choice) and pinned to their safest
+    scheme (most bits); the bracket restarts on the pinned table. Otherwise the scaling goes on
+    (with ``clean``ed damages it moves them too, at a lower tau: a less tight choice).
+
     Stops after ``max_evals`` evals, or when a feasible choice uses >= ``slack`` of the budget.
-    Returns the feasible choice with the fewest estimated bits (else the one with the least
-    measured damage; ``info["met"]`` says which) and ``info`` with every round."""
+    Returns the feasible choice (group-test choices included, within ``budget_bits``) with the
+    fewest estimated bits (else the one with the least measured damage; ``info["met"]`` says
+    which) and ``info`` with every round (``kind``: ``"alloc"`` or ``"group"``) and ``pinned``."""
     rounds: list[dict[str, Any]] = []
     seen: dict[tuple, float] = {}
+    safe = {n: max(o, key=lambda s: (o[s]["bits"], -o[s].get("err", 0.0))) for n, o in table.items()}
+    pinned: dict[str, str] = {}
+    work = table
     ok_tau, bad_tau = None, None
+    stalls: list[tuple[float, float]] = []  # (tau, D) of the infeasible rounds since the last pinning
+    diffuse = False
     tau = max_damage
-    for _ in range(max_evals):
-        choice = allocate(table, budget_bits=budget_bits, max_damage=tau)
+
+    def evaluate(choice: dict[str, str], kind: str, tau_: float | None) -> float:
         key = tuple(sorted(choice.items()))
-        bits, pred = predicted(table, choice)
-        if key in seen:  # the same choice again: nothing new to learn, stop
-            break
+        if key in seen:
+            return seen[key]
         d = float(joint_damage(choice))
         seen[key] = d
-        rounds.append({"tau": tau, "bits": bits, "predicted": pred, "measured": d, "choice": choice})
+        bits, pred = predicted(table, choice)
+        rounds.append({"kind": kind, "tau": tau_, "bits": bits, "predicted": pred, "measured": d,
+                       "choice": dict(choice)})
+        return d
+
+    def evals_left() -> int:
+        return max_evals - len(rounds)
+
+    for _ in range(2 * max_evals + 4):
+        if evals_left() <= 0:
+            break
+        choice = allocate(work, budget_bits=budget_bits, max_damage=tau)
+        key = tuple(sorted(choice.items()))
+        _, pred = predicted(table, choice)
+        if key in seen and not pinned:  # the same choice again: nothing new to learn, stop
+            break
+        d = evaluate(choice, "alloc", tau)
         if d <= max_damage:
             ok_tau = tau if ok_tau is None else max(ok_tau, tau)
             if d >= slack * max_damage:
                 break
         else:
             bad_tau = tau if bad_tau is None else min(bad_tau, tau)
+            stalled = any(t >= stall_tau * tau and d >= stall_damage * dt for t, dt in stalls)
+            stalls.append((tau, d))
+            n_q = sum(choice[n] != safe[n] and n not in pinned for n in choice)
+            if stalled and not diffuse and evals_left() >= 2 * math.ceil(math.log2(max(n_q, 2))) + 2:
+                # enough evals left to find two culprits and re-allocate; else the scaling goes on
+                found, cur, d_cur = _group_test(table, choice, d, safe, pinned, evaluate, evals_left, max_damage)
+                diffuse = not found  # no tensor carries the excess: do not test again
+                if found:
+                    pinned.update({c: safe[c] for c in found})
+                    work = {n: ({pinned[n]: o[pinned[n]]} if n in pinned else o) for n, o in table.items()}
+                    ok_tau, bad_tau, stalls = None, None, []
+                    _, p_cur = predicted(table, cur)
+                    if d_cur <= max_damage and d_cur >= slack * max_damage:
+                        break
+                    tau = slack * max_damage * p_cur / d_cur if d_cur > 0 and p_cur > 0 else max_damage
+                    continue
         if d > 0 and pred > 0:
             new = slack * max_damage * pred / d  # tau for which the scaled prediction meets the budget
         else:
@@ -221,11 +323,68 @@ def correct_loss(table: dict, joint_damage: Callable[[dict[str, str]], float], m
         if abs(new - tau) <= 1e-12 * max(abs(tau), 1e-30):
             break
         tau = new
-    feas = [r for r in rounds if r["measured"] <= max_damage]
+    feas = [r for r in rounds if r["measured"] <= max_damage
+            and (budget_bits is None or r["kind"] == "alloc" or r["bits"] <= budget_bits)]
     best = min(feas, key=lambda r: r["bits"]) if feas else min(rounds, key=lambda r: r["measured"])
     info = {"met": bool(feas), "evals": len(rounds), "measured": best["measured"], "predicted": best["predicted"],
-            "rounds": [{k: v for k, v in r.items() if k != "choice"} for r in rounds]}
+            "pinned": dict(pinned), "rounds": [{k: v for k, v in r.items() if k != "choice"} for r in rounds]}
     return best["choice"], info
+
+
+def _group_test(table: dict, choice: dict[str, str], d: float, safe: dict[str, str], pinned: dict[str, str],
+                evaluate: Callable[..., float], evals_left: Callable[[], int], max_damage: float
+                ) -> tuple[list[str], dict[str, str], float]:
+    """Find the tensors that carry a joint damage the tau scaling does not move.
+
+    Suspects: the quantized tensors of ``choice`` (not at their safe scheme), those whose damage
+    ``clean`` raised first (``damage_clean > damage_measured``: the single measurement said less),
+    then in order of predicted damage relative to their error proxy, smallest first. The first
+    split is the raised ones against the rest (if both are non-empty), then halving: revert the
+    first part to the safe scheme and measure (one eval); the part whose revert removes at least
+    half of the excess the suspects carry is kept, down to one tensor, which is reverted in the current choice. Repeats
+    while the current choice is over budget and evals are left. A last tensor carrying less than a
+    quarter of the excess over budget is not a culprit (the damage is spread out: scaling's job).
+    Returns (culprits, the choice with them reverted, its measured or estimated damage)."""
+    cur = dict(choice)
+    culprits: list[str] = []
+
+    def raised(n: str) -> bool:  # its single damage was raised by clean(): the measurement said less
+        r = table[n][cur[n]]
+        return r.get("damage_clean", 0.0) > r.get("damage_measured", r.get("damage_clean", 0.0))
+
+    def rel(n: str) -> tuple[bool, float]:
+        r = table[n][cur[n]]
+        p = proxy(n, r)
+        return not raised(n), (r["damage"] / p if p > 0 else r["damage"] * 1e30)
+
+    while d > max_damage and evals_left() >= 1:
+        sus = sorted((n for n in cur if cur[n] != safe[n] and n not in pinned and n not in culprits), key=rel)
+        if not sus:
+            break
+        n_raised = sum(raised(n) for n in sus)
+        group, excess, last = sus, d, None  # excess: what the group carries (all reverted: ~0 left)
+        while len(group) > 1 and evals_left() >= 1:
+            # the first split tests the raised tensors (the prime suspects) together, then halves
+            k = n_raised if group is sus and 0 < n_raised < len(group) else len(group) // 2
+            a, b = group[:k], group[k:]
+            d_a = evaluate({**cur, **{n: safe[n] for n in a}}, "group", None)
+            e_a = d - d_a
+            if e_a >= 0.5 * excess:
+                group, excess, last = a, e_a, d_a
+            else:
+                group, excess, last = b, excess - e_a, None
+        if len(group) > 1 or excess < 0.25 * (d - max_damage):
+            break
+        c = group[0]
+        culprits.append(c)
+        cur[c] = safe[c]
+        if last is not None:
+            d = last
+        elif evals_left() >= 1:
+            d = evaluate(cur, "group", None)
+        else:
+            d = max(d - excess, 0.0)
+    return culprits, cur, d
 
 
 def target_size(table: dict, stored_bits: Callable[[dict[str, str]], float], target_bits: float, *,

@@ -81,7 +81,7 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
            dtype: torch.dtype = torch.bfloat16, device: str | None = None,
            candidates: Iterable[str] | None = None, search: bool = True, measure: bool = True,
            sensitivity: Mapping[str, Any] | None = None, damage_model: str = "measured", correct: bool = True,
-           max_evals: int = 8) -> dict[str, Any]:
+           max_evals: int = 16) -> dict[str, Any]:
     """Write a weights-only lossy export of ``src`` to ``dst`` and return the report.
 
     ``scheme``: ``"auto"`` (per-tensor allocation), or one scheme for every quantizable tensor
@@ -193,7 +193,11 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
                                   f"({cheapest / max(n_weights, 1):.3f} bits per weight)")
         max_damage = None if max_loss_increase is None else max_loss_increase * abs(base)
         mode = "eval" if eval_fn is not None else "proxy"
-        eff = alloc.effective(table, damage_model) if mode == "eval" else table
+        if mode == "eval":
+            correction["clean"] = {}
+            eff = alloc.effective(table, damage_model, correction["clean"])
+        else:
+            eff = table
         choice = alloc.allocate(eff, budget_bits=budget_bits, max_damage=max_damage)
         if correct and budget_bits is not None and measure:
             choice, correction["size"] = alloc.target_size(
@@ -243,6 +247,8 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
                    "dtype": _dtype_name(work[n]), "err": e["q"]["err"],
                    "bpw_est": e["q"]["bits_est"] / work[n].numel(),
                    "loss_delta": e["q"].get("loss_delta")}
+        if mode == "eval" and eff is not None:
+            rows[n]["loss_delta_clean"] = eff[n][choice[n]].get("damage_clean")
         if progress is not None and table is None:
             progress(i + 1, len(quant_names))
     t_quant = time.perf_counter() - t0 - t_load
