@@ -95,7 +95,7 @@ def main() -> None:
                          "(like for like); the allocation rows then target those sizes")
     ap.add_argument("--damage-model", default="measured", choices=("fit", "measured"),
                     help="alloc.effective model of the single-tensor damages")
-    ap.add_argument("--max-evals", type=int, default=8, help="joint evals of the loss-budget correction")
+    ap.add_argument("--max-evals", type=int, default=16, help="joint evals of the loss-budget correction (default 16, as ckptzip.export)")
     ap.add_argument("--out", default="export_bench.json")
     args = ap.parse_args()
     dev = args.device
