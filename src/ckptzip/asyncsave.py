@@ -386,8 +386,9 @@ def async_save(obj: Any, path, *, codec: str | dict = "auto", transform: str | N
     error (the original exception, with a note naming its path) and does *not* start the new
     save; call again to retry. Errors of this save surface on ``handle.wait()``, on the next
     ``async_save``, or at interpreter exit (see the module docstring: pending saves are completed
-    at exit, never dropped silently). Host memory: a reused staging arena of up to the raw size
-    of ``obj`` (the compressed size on a GPU)."""
+    at exit, never dropped silently). Host memory: on the CPU a reused staging arena of the raw
+    size of ``obj``; on a GPU a few pooled pinned windows (the compressed snapshot waits on the
+    GPU), plus arena space for what exceeds ``gpu_snapshot_bytes``."""
     global _LAST
     with _LAST_LOCK:
         prev = _LAST
