@@ -356,3 +356,68 @@ def test_base_cannot_be_the_target(tmp_path):
     with pytest.raises(ValueError, match="its own base"):
         ckptzip.save({"x": torch.ones(4)}, a, base=a)
     assert_same(ckptzip.load(a), {"x": torch.ones(4)})
+
+
+# -- the CPU decode of byteplane + delta/xor in one pass ------------------------------------
+@pytest.mark.parametrize("width,block,n", [(2, 64, 1000), (4, 4096, 70_000), (8, 100, 999), (4, 1 << 22, 5)])
+@pytest.mark.parametrize("kind", ["delta", "xor"])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_fused_planes_ref_matches_two_steps(width, block, n, kind, in_place):
+    from ckptzip.engine.decode import _fused, _np_planes_ref
+    from ckptzip.transforms.byteplane import BytePlane
+    from ckptzip.transforms.refs import Delta, Xor
+    g = torch.Generator().manual_seed(width * n)
+    base = torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=g)
+    new = base.clone()
+    new[::7] = torch.randint(0, 256, new[::7].shape, dtype=torch.uint8, generator=g)
+    ref = (Delta(0, 0, width) if kind == "delta" else Xor(0, 0)).bind(base)
+    bp = BytePlane(width, block)
+    coded = bp.encode(ref.encode(new))
+    # the unfused reference
+    tmp = torch.empty_like(coded)
+    bp.decode(coded, tmp)
+    want = torch.empty_like(new)
+    ref.decode(tmp, want)
+    assert torch.equal(want, new)
+    dst = base.clone() if in_place else torch.empty_like(base)
+    bound = ref.bind(dst if in_place else base)
+    assert _fused(bp, bound)
+    _np_planes_ref(coded.numpy(), dst.numpy(), bound._slice(0, coded.numel()).numpy(), bp, bound)
+    assert torch.equal(dst, new)
+    assert not _fused(bp, Delta(0, 0, width * 2 if width < 8 else 2).bind(base))  # widths differ
+
+
+def test_incremental_mixed_chain_many_windows(tmp_path, monkeypatch):
+    """Deltas, xors, plain (new or changed-shape) and derived storages in one file, a chain of
+    three, storages spread over many chunks, blocks and decode groups: bit-exact loads, through
+    load, get_tensor and verify."""
+    import ckptzip.engine.decode as dec
+    monkeypatch.setattr(dec, "CPU_GROUP", 64 << 10)  # many decode groups, mixed ones included
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(200_000, generator=g) * 0.02
+    s = [{"w": w, "w_bf16": w.bfloat16(), "h": (torch.randn(30_000, generator=g) * 0.1).half(),
+          "d": torch.randn(20_000, generator=g).double(), "ids": torch.arange(50_000) * 3,
+          "noise": torch.randn(40_000, generator=g), "step": 0}]
+    for k in range(1, 3):
+        p = s[-1]
+        nw = p["w"] + 1e-5 * torch.randn(p["w"].shape, generator=g)
+        ids = p["ids"].clone()
+        ids[::997] += 1
+        s.append({"w": nw, "w_bf16": nw.bfloat16(), "h": p["h"] + (1e-3 * torch.randn(p["h"].shape, generator=g)).half(),
+                  "d": p["d"] + 1e-9 * torch.randn(p["d"].shape, generator=g).double(), "ids": ids,
+                  "noise": torch.randn(40_000, generator=g), f"new{k}": torch.randn(1000 * k, generator=g),
+                  "step": k})
+    paths = [tmp_path / f"s{k}.ckz" for k in range(3)]
+    ckptzip.save(s[0], paths[0], chunk_size=16 << 10)
+    for k in (1, 2):
+        ckptzip.save(s[k], paths[k], base=paths[k - 1], chunk_size=16 << 10)
+    tfs = transforms_of(paths[2])
+    firsts = [t[0] for t in tfs if t]
+    assert {"delta", "xor", "derived"} <= set(firsts)
+    assert any(not t or t[0] not in ("delta", "xor") for t in tfs)  # some storages need no base
+    for k in range(3):
+        assert_same(ckptzip.load(paths[k]), s[k])
+    with ckptzip.open(paths[2]) as r:
+        for key in ("w", "w_bf16", "ids", "d", "h", "noise", "new2"):
+            assert_same(r.get_tensor(key), s[2][key])
+        r.verify()

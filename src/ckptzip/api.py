@@ -282,11 +282,13 @@ class CheckpointReader:
             self._base = open_base(self, self.base_dir, self.base_path)
         return self._base
 
-    def _fill(self, outs: dict[int, torch.Tensor], prog: Callable[[int], None] | None = None) -> None:
+    def _fill(self, outs: dict[int, torch.Tensor], prog: Callable[[int], None] | None = None,
+              made: dict[int, Job] | None = None) -> None:
         """Decode storages ``i`` into the flat uint8 tensors ``outs[i]``, resolving references:
         storages a ``derived`` one needs are decoded first (into temporaries unless requested),
         level by level; an ``xor`` storage is first filled with its base storage (decoded by the
-        base's reader straight into the destination), then its residual is applied in place."""
+        base's reader straight into the destination), then its residual is applied in place.
+        ``made``: jobs already made for these outputs by :meth:`_job_into` (used, not remade)."""
         need = dict(outs)
         jobs: dict[int, Job] = {}
         todo = list(need)
@@ -294,7 +296,10 @@ class CheckpointReader:
             i = todo.pop()
             if i in jobs:
                 continue
-            jobs[i] = job = self._job_into(i, need[i])
+            job = made.get(i) if made else None
+            if job is None or job.out is not need[i] or job.ref is not None and job.ref.ref is not None:
+                job = self._job_into(i, need[i])
+            jobs[i] = job
             if job.ref is not None and job.ref.wire_id == "derived":
                 k = job.ref.storage
                 if k not in need:
@@ -358,7 +363,7 @@ class CheckpointReader:
         total = self._total_bytes() if total is None else total
         prog = (lambda n: self.progress(n, total)) if self.progress else None
         outs = {i: j.out for i, j in jobs.items()}
-        self._fill(outs, prog)
+        self._fill(outs, prog, jobs)
         self._cache.update(outs)
 
     def _place(self, kinds: dict[int, str]) -> None:

@@ -119,6 +119,11 @@ class RefTransform(Transform):
             raise RuntimeError(f"{self.wire_id}: transform used before bind()")
         return self.ref[start * self.factor:(start + n) * self.factor]
 
+    def decode_scratch(self, src: torch.Tensor, dst: torch.Tensor, start: int = 0) -> None:
+        """:meth:`decode` where ``src`` is scratch the caller no longer needs (it may be
+        overwritten: ``delta`` unfolds it in place instead of copying it)."""
+        self.decode(src, dst, start)
+
     def ref_nbytes(self, nbytes: int) -> int:
         """Bytes the reference storage must have for a storage of ``nbytes``."""
         return nbytes * self.factor
@@ -267,14 +272,22 @@ class Delta(RefTransform):
         return out
 
     def decode(self, src: torch.Tensor, dst: torch.Tensor, start: int = 0) -> None:
+        self._decode(src, dst, start, False)
+
+    def decode_scratch(self, src: torch.Tensor, dst: torch.Tensor, start: int = 0) -> None:
+        self._decode(src, dst, start, True)
+
+    def _decode(self, src: torch.Tensor, dst: torch.Tensor, start: int, scratch: bool) -> None:
         if not src.numel():
             return
         ref = self._slice(start, src.numel())
         ref = ref if ref.device == dst.device else ref.to(dst.device)
-        src = src if src.device == dst.device else src.to(dst.device)
+        moved = src.device != dst.device
+        src = src.to(dst.device) if moved else src
         if dst.device.type == "cpu":
             u = _UINT[self.width]
-            d = self._fold(src.numpy().view(u).copy())
+            d = src.numpy().view(u)
+            d = self._fold(d if scratch or moved else d.copy())
             np.add(ref.numpy().view(u), d, out=dst.numpy().view(u))
             return
         d = self._fold(src.view(_SINT[self.width]).clone())
