@@ -472,6 +472,43 @@ def test_dcp_directory_info_verify_consolidate(tmp_path, capsys):
     one_error_line(capsys.readouterr().err)
 
 
+def test_consolidate_never_writes_into_its_source(tmp_path, capsys):
+    """An output inside the checkpoint directory could replace a rank file or the commit marker:
+    a usage error (exit 2), the directory untouched; a missing output directory fails before
+    the checkpoint is read."""
+    d = tmp_path / "dcp"
+    _dcp_dir(d)
+    before = {f: (d / f).read_bytes() for f in os.listdir(d)}
+    for out in (d / "__0_0.ckz", d / "COMMIT", d / "new.ckz", d / "." / "x.ckz"):
+        assert cli("consolidate", d, out) == 2, out
+        one_error_line(capsys.readouterr().err)
+    assert {f: (d / f).read_bytes() for f in os.listdir(d)} == before
+    assert cli("consolidate", d, tmp_path / "missing" / "x.ckz") == 1
+    err = capsys.readouterr().err
+    one_error_line(err)
+    assert "does not exist" in err
+    from ckptzip.dcp import consolidate
+    with pytest.raises(ValueError, match="inside the checkpoint directory"):
+        consolidate(d, d / "__0_0.ckz")
+    assert (d / "__0_0.ckz").read_bytes() == before["__0_0.ckz"]
+
+
+def test_dropped_snapshot_fails_its_save_instead_of_writing_live_tensors(tmp_path):
+    """A second stage() before the first save wrote drops the first snapshot: that save's
+    write_data must fail, not fall back to reading the (changed) live tensors."""
+    from torch.distributed.checkpoint.planner import SavePlan
+    from ckptzip.dcp import Writer
+    w = Writer(tmp_path / "ck")
+    sd = {"w": torch.ones(4)}
+    w.stage(sd)
+    with pytest.raises(RuntimeError, match="previous dcp.async_save"):
+        w.stage(sd)
+    with pytest.raises(RuntimeError, match="dropped"):
+        w.write_data(SavePlan([]), None)
+    fut = w.write_data(SavePlan([]), None)  # the flag is spent: the next save is a normal one
+    assert fut.wait() == []
+
+
 def test_ls_shows_status_and_distributed_entries(tmp_path, capsys):
     from ckptzip import CheckpointManager
     m = CheckpointManager(tmp_path, keep_last=None)

@@ -209,3 +209,27 @@ def test_incremental_full_every_counts_saves_not_files_on_disk(tmp_path):
             full.append(step)
     assert full == [0, 4, 8]
     assert torch.equal(m.load()["w"], w)
+
+
+def test_distributed_manager_removes_directories_of_killed_saves(tmp_path):
+    """A distributed save killed mid-write leaves an uncommitted step-N/ directory: once a later
+    step is committed and its newest file is older than stale_temp_s, the coordinator removes
+    it; an uncommitted directory newer than every committed step (a save in progress) stays."""
+    import time
+    m = ckptzip.CheckpointManager(tmp_path, keep_last=None, distributed=True, stale_temp_s=60)
+    m.save(2, {"a": torch.ones(3)})
+    for step in (1, 5):
+        d = tmp_path / f"step-{step:09d}"
+        d.mkdir()
+        (d / ".__0_0.ckz.abc.tmp").write_bytes(b"x" * 100)
+        old = time.time() - 3600
+        os.utime(d / ".__0_0.ckz.abc.tmp", (old, old))
+        os.utime(d, (old, old))
+    (tmp_path / "step-000000001" / "fresh.tmp").write_bytes(b"y")  # touched just now: kept
+    assert m.clean_stale_temp() == []
+    os.unlink(tmp_path / "step-000000001" / "fresh.tmp")
+    old = time.time() - 3600
+    os.utime(tmp_path / "step-000000001", (old, old))
+    assert m.clean_stale_temp() == ["step-000000001"]
+    assert not (tmp_path / "step-000000001").exists() and (tmp_path / "step-000000005").exists()
+    assert m.steps() == [2]

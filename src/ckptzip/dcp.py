@@ -519,6 +519,7 @@ class Writer(_PathId, StorageWriter):
         self.is_coordinator = False
         self.rank = 0
         self._staged: _Staged | None = None
+        self._dropped = False       # a stage() dropped an unwritten snapshot: its save must fail
         self._arena = None          # pooled host arena of the snapshots, reused across saves
         self._lock = threading.Lock()
 
@@ -539,6 +540,8 @@ class Writer(_PathId, StorageWriter):
             stale, self._staged = self._staged, None
         if stale is not None:
             self._arena = None  # it may still be in use by a save that has not written it
+            with self._lock:
+                self._dropped = True  # that save's write_data must fail, never write live tensors
             raise RuntimeError("ckptzip.dcp.Writer.stage: the previous dcp.async_save with this writer has not "
                                "written its data yet (still running, or it failed before writing): wait for its "
                                "future before the next save; the stale snapshot was dropped")
@@ -603,6 +606,11 @@ class Writer(_PathId, StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         with self._lock:
             staged, self._staged = self._staged, None
+            dropped, self._dropped = self._dropped, False
+        if dropped and staged is None:
+            raise RuntimeError("ckptzip.dcp.Writer: the snapshot staged for this save was dropped by a later "
+                               "stage() (a second dcp.async_save with the same writer before this one wrote); "
+                               "not writing the live tensors in its place: this save fails, nothing is committed")
         fut: Future = Future()
         if staged is not None:
             fut.set_result(self._write_staged(plan, planner, staged))
@@ -870,6 +878,12 @@ def consolidate(path: str | os.PathLike, out_path: str | os.PathLike, *, allow_p
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    if not is_url(os.fspath(path)) and not is_url(os.fspath(out_path)):
+        src = os.path.realpath(path)
+        parent = os.path.realpath(os.path.dirname(os.path.abspath(out_path)))
+        if os.path.commonpath([src, parent]) == src:
+            raise ValueError(f"consolidate: the output {os.fspath(out_path)!r} is inside the checkpoint directory "
+                             f"{os.fspath(path)!r} (it could replace one of its files); write it elsewhere")
     sd: dict[str, Any] = {}
     _load_state_dict(sd, storage_reader=Reader(path, allow_pickle=allow_pickle),
                      planner=_EmptyStateDictLoadPlanner(), no_dist=True)

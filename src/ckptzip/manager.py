@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from typing import Any, NamedTuple
 
@@ -532,9 +533,12 @@ class CheckpointManager:
     def clean_stale_temp(self, max_age_s: float | None = None) -> list[str]:
         """Remove temporary files of killed local saves (``.step-*.ckz.*.tmp``,
         ``.step-*.commit.*.tmp``, ``*.tmp.old``) last modified more than ``max_age_s`` seconds
-        ago (default: the manager's ``stale_temp_s``; None there: do nothing). Returns the
-        names removed. Object stores have no temp files: a no-op for URLs. Files that vanish
-        meanwhile (another process cleaning) are skipped."""
+        ago (default: the manager's ``stale_temp_s``; None there: do nothing). Distributed mode
+        (coordinator only): also the directories of killed distributed saves, i.e. uncommitted
+        ``step-N/`` directories older than a committed step whose newest file is that old (a
+        directory being written is never newer than a committed step). Returns the names
+        removed. Object stores have no temp files: a no-op for URLs. Files that vanish meanwhile
+        (another process cleaning) are skipped."""
         age = self.stale_temp_s if max_age_s is None else max_age_s
         if age is None or is_url(self.directory):
             return []
@@ -552,6 +556,28 @@ class CheckpointManager:
                 if now - st.st_mtime > age and not d.is_dir(follow_symlinks=False):
                     os.unlink(d.path)
                     removed.append(d.name)
+            except FileNotFoundError:
+                continue
+        if self.distributed and self._is_coordinator():
+            removed += self._clean_killed_dirs(age, now)
+        return removed
+
+    def _clean_killed_dirs(self, age: float, now: float) -> list[str]:
+        entries = self.entries()
+        committed = [e.step for e in entries if e.status == "committed"]
+        if not committed:
+            return []
+        removed = []
+        for e in entries:
+            if e.kind != "dcp" or e.status != "uncommitted" or e.step >= max(committed):
+                continue
+            d = os.path.join(self.root, e.name)
+            try:
+                newest = max([os.lstat(d).st_mtime] + [f.stat(follow_symlinks=False).st_mtime
+                                                        for f in os.scandir(d)])
+                if now - newest > age:
+                    shutil.rmtree(d)
+                    removed.append(e.name)
             except FileNotFoundError:
                 continue
         return removed
