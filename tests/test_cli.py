@@ -579,3 +579,23 @@ def test_incremental_chain_in_ls_info_and_convert_full(tmp_path, capsys):
     with ckptzip.open(out) as r:
         assert r.base is None
     assert torch.equal(ckptzip.load(out)["w"], w)
+
+
+def test_directories_that_are_not_ckptzip_checkpoints_are_named(tmp_path, capsys):
+    """info / verify / consolidate on a directory say what it is instead: torch's own DCP format
+    (never unpickled), a CheckpointManager directory, an interrupted ckptzip save, missing."""
+    import torch.distributed.checkpoint as dcp
+    dcp.save({"a": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "torchdcp")))
+    (tmp_path / "mgr" / "step-000000001").mkdir(parents=True)
+    (tmp_path / "part").mkdir()
+    (tmp_path / "part" / ".__0_0.ckz.x.tmp").write_bytes(b"")
+    cases = {"torchdcp": "torch.distributed.checkpoint's own writer", "mgr": "CheckpointManager directory",
+             "part": "still running or was interrupted", "nope": "No such"}
+    for name, words in cases.items():
+        for cmd in (("info", tmp_path / name), ("verify", tmp_path / name),
+                    ("consolidate", tmp_path / name, tmp_path / "o.ckz")):
+            assert cli(*cmd) == 1, cmd
+            err = capsys.readouterr()
+            msg = err.err or err.out
+            assert words in msg, (cmd, msg)
+            assert msg.count("Error:") <= 1, msg  # the error's name once

@@ -333,7 +333,14 @@ def cmd_convert(a) -> int:
 
 def _check_input(path: str) -> None:
     if not is_url(path) and os.path.isdir(path):
-        raise IsADirectoryError(21, "Is a directory (expected a .ckz file)", path)
+        from .dcp import not_a_checkpoint
+        raise not_a_checkpoint(path)  # says what the directory is instead
+
+
+def _named(e: BaseException) -> str:
+    """``Name: message``, once (DCP's errors already start with their name)."""
+    text, name = str(e), type(e).__name__
+    return text if text.startswith(name + ":") else f"{name}: {text}"
 
 
 def _is_dcp_dir(path: str) -> bool:
@@ -413,14 +420,18 @@ def cmd_verify_dcp(a) -> int:
             keys.setdefault(s.file, set()).add(s.key)
         for name in files:
             p = f"{a.file.rstrip('/')}/{name}" if is_url(a.file) else os.path.join(a.file, name)
-            with api.open(p, max_bytes=a.max_bytes) as r, progress_bar(f"verifying {name}", a.quiet) as cb:
-                missing = keys[name] - set(r.keys())
-                if missing:
-                    raise CorruptDCPError(f"{name} lacks item {sorted(missing)[0]!r} named by the metadata")
-                r.progress = cb
-                r.verify()
+            try:
+                with api.open(p, max_bytes=a.max_bytes) as r, progress_bar(f"verifying {name}", a.quiet) as cb:
+                    missing = keys[name] - set(r.keys())
+                    if missing:
+                        raise CorruptDCPError(f"{name} lacks item {sorted(missing)[0]!r} named by the metadata")
+                    r.progress = cb
+                    r.verify()
+            except CkptzipError as e:
+                say(line(("FAILED", "red"), f" {a.file}: rank file {name}: {_named(e)}"))
+                return 1
     except CkptzipError as e:
-        say(line(("FAILED", "red"), f" {a.file}: {type(e).__name__}: {e}"))
+        say(line(("FAILED", "red"), f" {a.file}: {_named(e)}"))
         return 1
     say(line(("OK", "green"), f" {a.file}: commit marker, metadata and {_count(len(files), 'rank file')} "
              "(every chunk's checksum and size) verified"))
@@ -500,7 +511,7 @@ def cmd_verify(a) -> int:
             r.progress = cb
             r.verify()
     except CkptzipError as e:
-        say(line(("FAILED", "red"), f" {a.file}: {type(e).__name__}: {e}"))
+        say(line(("FAILED", "red"), f" {a.file}: {_named(e)}"))
         return 1
     say(line(("OK", "green"), f" {a.file}: every chunk's checksum and size verified"))
     return 0

@@ -106,6 +106,28 @@ def _join(base: str, name: str) -> str:
     return os.path.join(local_path(base), name)
 
 
+def not_a_checkpoint(path: str) -> Exception:
+    """The error for a directory without ckptzip's metadata and commit marker, saying what it is
+    instead: missing, torch's own DCP format (never unpickled here), a CheckpointManager
+    directory, an interrupted ckptzip save, or something else."""
+    if not is_url(path) and not os.path.isdir(path):
+        return FileNotFoundError(2, "No such directory", path)
+    try:
+        names = [p.rsplit("/", 1)[-1] for p in _fs(path).ls(path, detail=False)] if is_url(path) else os.listdir(path)
+    except OSError:
+        names = []
+    if ".metadata" in names:
+        return DCPMetadataError(f"{path}: a checkpoint written by torch.distributed.checkpoint's own writer (its "
+                                ".metadata is a pickle, which ckptzip never loads): not a ckptzip DCP checkpoint")
+    if any(re.fullmatch(r"step-\d+(\.ckz|\.commit)?", n) for n in names):
+        return DCPMetadataError(f"{path}: a CheckpointManager directory, not one checkpoint: list it with "
+                                "`ckptzip ls` and pass a step-N directory or file")
+    if any(_FILE_RE.match(n) or n.endswith(".tmp") for n in names):
+        return IncompleteCheckpointError(f"{path}: rank files but no {METADATA_NAME} and no {COMMIT_NAME}: a ckptzip "
+                                         "DCP save that is still running or was interrupted (not committed)")
+    return DCPMetadataError(f"{path}: no {METADATA_NAME} and no {COMMIT_NAME}: not a ckptzip DCP checkpoint")
+
+
 def is_checkpoint_dir(path: str) -> bool:
     """Whether ``path`` (a local directory or fsspec URL) looks like a ckptzip DCP checkpoint: it
     holds the JSON metadata or the commit marker (complete or not; :func:`read_metadata` says)."""
@@ -405,8 +427,7 @@ def read_metadata(path: str | os.PathLike, *, check_files: bool = True) -> Metad
     raw = _read_bytes(_join(path, METADATA_NAME), MAX_METADATA_BYTES)
     if raw is None:
         if _size(_join(path, COMMIT_NAME)) is None:
-            raise IncompleteCheckpointError(f"{path}: no {METADATA_NAME} and no {COMMIT_NAME}: not a committed "
-                                            "ckptzip DCP checkpoint")
+            raise not_a_checkpoint(path)
         raise IncompleteCheckpointError(f"{path}: {METADATA_NAME} is missing")
     _check_commit(path, raw)
     md, files = parse_metadata_json(raw)
