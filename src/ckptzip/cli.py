@@ -41,7 +41,8 @@ from .errors import CkptzipError, CorruptFileError
 class CorruptDCPError(CorruptFileError):
     """A DCP checkpoint's rank file lacks an item its metadata names."""
 
-console = Console(highlight=False)
+# Piped output (| grep, | cat) is not cut to 80 columns: tables keep whole names there.
+console = Console(highlight=False, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200)
 err = Console(stderr=True, highlight=False)
 
 DEBUG_ENV = "CKPTZIP_DEBUG"
@@ -670,6 +671,8 @@ def cmd_ls(a) -> int:
     console.print(t)
     if not steps:
         say(line("no committed checkpoint"))
+        if not entries and not is_url(a.directory) and _is_dcp_dir(a.directory):
+            say(line("(this directory is one DCP checkpoint, not a manager directory: try `ckptzip info` on it)"))
     return 0
 
 
