@@ -143,11 +143,10 @@ def _int_params(xg: torch.Tensor, bits: int, sym: bool, ratios: torch.Tensor, co
     """Per-group (scale bf16, zero uint8-range float) minimizing the squared error over the clipping
     ratios. Vectorized over groups; the Python loop runs over the ratios only.
 
-    Each ratio costs six in-place passes over one reused buffer (no full-size temporaries):
+    Each ratio costs six passes over one reused buffer (no full-size temporaries):
     ``clamp(round(x / s) + z, lo, hi) - z`` is computed as ``clamp(round(x / s), lo - z, hi - z)``
     (the same integers, exactly), so the squared error is the same float as the textbook
     ``((q - z) * s - x) ** 2``, and the argmin over the ratios (first minimum wins) is unchanged."""
-    best_err = best_s = best_z = None
     g = xg.shape[-1]
     mask = None  # padded elements (copies of the last column) do not count in the error
     if cols is not None and cols < xg.shape[-2] * g:
@@ -160,31 +159,32 @@ def _int_params(xg: torch.Tensor, bits: int, sym: bool, ratios: torch.Tensor, co
         mn = xg.amin(-1).clamp(max=0)
         mx = xg.amax(-1).clamp(min=0)
         span = (mx - mn) / hi
+    # the scales and zeros of every ratio at once, (ratios, rows, groups): few small ops per tensor
+    rs = ratios.to(span.dtype).view(-1, *([1] * span.ndim))
+    s_all = round_up_bf16(span[None] * rs)
+    s_all = torch.where(s_all == 0, torch.ones_like(s_all), s_all).float()
+    z_all = torch.zeros_like(s_all) if sym else torch.round(-mn[None] * rs / s_all).clamp(lo, hi)
+    err_all = torch.empty_like(s_all)
     buf = torch.empty_like(xg)
-    for r in ratios.tolist():
-        s = round_up_bf16(span * r)
-        s = torch.where(s == 0, torch.ones_like(s), s).float()
-        s3 = s[..., None]
+    negx = -xg
+    for i in range(s_all.shape[0]):
+        s3 = s_all[i][..., None]
         torch.div(xg, s3, out=buf)
         buf.round_()
         if sym:
-            z = torch.zeros_like(s)
             buf.clamp_(lo, hi)
         else:
-            z = torch.round(-mn * r / s).clamp(lo, hi)
-            z3 = z[..., None]
+            z3 = z_all[i][..., None]
             buf.clamp_(lo - z3, hi - z3)  # = clamp(round(x / s) + z, lo, hi) - z
-        buf.mul_(s3).sub_(xg).square_()  # ((q - z) * s - x) ** 2
+        # (q - z) * s - x, one fused pass: the product (an integer of <= 8 bits times a bf16) is exact
+        torch.addcmul(negx, buf, s3, out=buf)
+        buf.square_()
         if mask is not None:
             buf.mul_(mask)
-        err = buf.sum(-1)
-        if best_err is None:
-            best_err, best_s, best_z = err, s, z
-        else:
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_s = torch.where(better, s, best_s)
-            best_z = torch.where(better, z, best_z)
+        torch.sum(buf, -1, out=err_all[i])
+    best = err_all.argmin(0, keepdim=True)  # the first minimum: the earliest ratio wins ties
+    best_s = s_all.gather(0, best)[0]
+    best_z = z_all.gather(0, best)[0]
     return best_s, best_z, lo, hi
 
 
