@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .quant import dequantize, estimate_bits, quantize
+from .quant import _quantize, dequantize
 
 # candidate schemes of scheme="auto", cheapest first (bf16 = no quantization beyond bf16 rounding)
 AUTO_CANDIDATES = ("int2-g32", "int3-g64", "int3-g32", "int4-g128", "int4-g64", "int4-g32",
@@ -40,11 +40,14 @@ def role_weight(name: str) -> float:
 
 def measure(weights: Mapping[str, torch.Tensor], names: Sequence[str], candidates: Sequence[str],
             eval_fn: Callable[[dict], float] | None, progress: Callable[[int, int], None] | None = None,
-            dtype: torch.dtype = torch.bfloat16, eval_weights: Mapping[str, torch.Tensor] | None = None
-            ) -> tuple[dict, float | None]:
+            dtype: torch.dtype = torch.bfloat16, eval_weights: Mapping[str, torch.Tensor] | None = None,
+            params: dict | None = None) -> tuple[dict, float | None]:
     """{name: {scheme: {"bits", "damage", "err"}}} and the base loss (None without eval_fn).
     ``weights`` are quantized where they are (e.g. on the GPU); ``eval_fn`` sees ``eval_weights``
-    (default: ``weights``), the caller's tensors on their own devices, one replaced at a time."""
+    (default: ``weights``), the caller's tensors on their own devices, one replaced at a time.
+    ``params`` (a dict) receives ``{(name, scheme): (scales, zeros)}`` of the intN candidates (the
+    clipping search's result, small: 2-3 bytes per group), so that export() re-quantizes the chosen
+    schemes without searching again (quant._quantize(params=...): the same entries)."""
     table: dict[str, dict[str, dict[str, float]]] = {}
     base = None
     work = dict(weights if eval_weights is None else eval_weights)
@@ -55,8 +58,10 @@ def measure(weights: Mapping[str, torch.Tensor], names: Sequence[str], candidate
         w = weights[n]
         table[n] = {}
         for s in candidates:
-            e = quantize(w, s, name=n)
-            row = {"bits": estimate_bits(e), "err": float(e["q"]["err"])}
+            e, bits, prm = _quantize(w, s, name=n, pack=eval_fn is not None)  # packed codes only to evaluate
+            if params is not None and prm is not None:
+                params[(n, s)] = prm
+            row = {"bits": bits, "err": float(e["q"]["err"])}
             if eval_fn is not None:
                 orig = work[n]
                 work[n] = dequantize(e, dtype=dtype).to(device=orig.device, dtype=orig.dtype)

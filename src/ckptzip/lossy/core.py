@@ -18,7 +18,7 @@ import ckptzip
 from . import alloc
 from .errors import (BudgetError, DestinationError, ExportError, LossyCheckpointError,
                      NonFiniteWeightError, SchemeError)
-from .quant import check_scheme_dtype, dequantize, estimate_bits, parse_scheme, quantize
+from .quant import _quantize, check_scheme_dtype, dequantize, parse_scheme
 from .sources import find_weights, read_source
 
 FORMAT = "ckptzip-lossy/1"
@@ -120,11 +120,12 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
     # -- quantized entries, cached per (tensor, scheme): the correction rounds and the final
     # export use the very same codes
     cache: dict[tuple[str, str], dict] = {}
+    params: dict[tuple[str, str], tuple] = {}  # intN (scales, zeros) found by alloc.measure's search
 
     def entry(n: str, s: str) -> dict:
         if (n, s) not in cache:
-            e = quantize(work[n], s, search=search, name=n)
-            e["q"]["bits_est"] = estimate_bits(e)
+            e, bits, _ = _quantize(work[n], s, search=search, name=n, params=params.get((n, s)) if search else None)
+            e["q"]["bits_est"] = bits
             cache[(n, s)] = e
         return cache[(n, s)]
 
@@ -184,7 +185,8 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
             base = float(eval_fn(dict(weights))) if eval_fn is not None else None
         else:
             full = {**{k: v.to(dev) for k, v in weights.items() if k not in work}, **work}
-            table, base = alloc.measure(full, quant_names, cands, eval_fn, progress, dtype, eval_weights=weights)
+            table, base = alloc.measure(full, quant_names, cands, eval_fn, progress, dtype, eval_weights=weights,
+                                        params=params)
         budget_bits = None if bpw is None else bpw * n_weights
         if budget_bits is not None:
             cheapest = sum(min(r["bits"] for r in table[n].values()) for n in quant_names)

@@ -135,40 +135,56 @@ def _groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, int]:
     return x.view(rows, -1, group), cols + pad
 
 
+def _int_range(bits: int, sym: bool) -> tuple[int, int]:
+    return (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if sym else (0, (1 << bits) - 1)
+
+
 def _int_params(xg: torch.Tensor, bits: int, sym: bool, ratios: torch.Tensor, cols: int | None = None):
     """Per-group (scale bf16, zero uint8-range float) minimizing the squared error over the clipping
-    ratios. Vectorized over groups; the Python loop runs over the ratios only."""
-    best_err = best_s = best_z = None
+    ratios. Vectorized over groups; the Python loop runs over the ratios only.
+
+    Each ratio costs six passes over one reused buffer (no full-size temporaries):
+    ``clamp(round(x / s) + z, lo, hi) - z`` is computed as ``clamp(round(x / s), lo - z, hi - z)``
+    (the same integers, exactly), so the squared error is the same float as the textbook
+    ``((q - z) * s - x) ** 2``, and the argmin over the ratios (first minimum wins) is unchanged."""
     g = xg.shape[-1]
     mask = None  # padded elements (copies of the last column) do not count in the error
     if cols is not None and cols < xg.shape[-2] * g:
         mask = (torch.arange(xg.shape[-2] * g, device=xg.device) < cols).float().view(1, -1, g)
+    lo, hi = _int_range(bits, sym)
     if sym:
-        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
         amax = xg.abs().amax(-1)
         span = amax / max(hi, 1)
     else:
-        lo, hi = 0, (1 << bits) - 1
         mn = xg.amin(-1).clamp(max=0)
         mx = xg.amax(-1).clamp(min=0)
         span = (mx - mn) / hi
-    for r in ratios.tolist():
-        s = round_up_bf16(span * r)
-        s = torch.where(s == 0, torch.ones_like(s), s).float()
+    # the scales and zeros of every ratio at once, (ratios, rows, groups): few small ops per tensor
+    rs = ratios.to(span.dtype).view(-1, *([1] * span.ndim))
+    s_all = round_up_bf16(span[None] * rs)
+    s_all = torch.where(s_all == 0, torch.ones_like(s_all), s_all).float()
+    z_all = torch.zeros_like(s_all) if sym else torch.round(-mn[None] * rs / s_all).clamp(lo, hi)
+    err_all = torch.empty_like(s_all)
+    buf = torch.empty_like(xg)
+    negx = -xg
+    for i in range(s_all.shape[0]):
+        s3 = s_all[i][..., None]
+        torch.div(xg, s3, out=buf)
+        buf.round_()
         if sym:
-            z = torch.zeros_like(s)
+            buf.clamp_(lo, hi)
         else:
-            z = torch.round(-mn * r / s).clamp(lo, hi)
-        q = (torch.round(xg / s[..., None]) + z[..., None]).clamp(lo, hi)
-        d2 = ((q - z[..., None]) * s[..., None] - xg).square()
-        err = (d2 if mask is None else d2 * mask).sum(-1)
-        if best_err is None:
-            best_err, best_s, best_z = err, s, z
-        else:
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_s = torch.where(better, s, best_s)
-            best_z = torch.where(better, z, best_z)
+            z3 = z_all[i][..., None]
+            buf.clamp_(lo - z3, hi - z3)  # = clamp(round(x / s) + z, lo, hi) - z
+        # (q - z) * s - x, one fused pass: the product (an integer of <= 8 bits times a bf16) is exact
+        torch.addcmul(negx, buf, s3, out=buf)
+        buf.square_()
+        if mask is not None:
+            buf.mul_(mask)
+        torch.sum(buf, -1, out=err_all[i])
+    best = err_all.argmin(0, keepdim=True)  # the first minimum: the earliest ratio wins ties
+    best_s = s_all.gather(0, best)[0]
+    best_z = z_all.gather(0, best)[0]
     return best_s, best_z, lo, hi
 
 
@@ -176,6 +192,17 @@ def quantize(w: torch.Tensor, scheme: str | Scheme, *, search: bool = True,
              ratios: int = DEFAULT_RATIOS, name: str = "weight") -> dict[str, Any]:
     """Quantize one weight matrix (ndim >= 2; the last dim is the group / row dim).
     ``search=False`` is plain round-to-nearest from min/max (the clipping ratio 1.0 only)."""
+    return _quantize(w, scheme, search=search, ratios=ratios, name=name)[0]
+
+
+def _quantize(w: torch.Tensor, scheme: str | Scheme, *, search: bool = True, ratios: int = DEFAULT_RATIOS,
+              name: str = "weight", params: tuple | None = None, pack: bool = True
+              ) -> tuple[dict[str, Any], float, tuple | None]:
+    """quantize() plus ``estimate_bits`` of the entry (taken from the codes before packing) and the
+    intN parameters ``(scales, zeros)`` of the entry (else None). ``params`` (from an earlier call
+    on the same tensor and scheme, same ``search`` and ``ratios``) skips the clipping search: the
+    entry is the same, bit for bit. ``pack=False`` (only the err, bits and params are wanted): the
+    intN codes are not bit-packed and the entry's ``codes`` is None."""
     sc = parse_scheme(scheme)
     check_scheme_dtype(name, w, sc)
     if sc.kind == "int" and w.shape[-1] < sc.group:  # a row shorter than the group: smaller groups, less padding
@@ -183,35 +210,49 @@ def quantize(w: torch.Tensor, scheme: str | Scheme, *, search: bool = True,
     shape = list(w.shape)
     q: dict[str, Any] = {"scheme": sc.name, "kind": sc.kind, "bits": sc.bits, "group": sc.group,
                          "sym": sc.sym, "shape": shape, "dtype": str(w.dtype).replace("torch.", "")}
-    x = _as_rows(w)
+    prm = None
     if sc.kind == "bf16":
         codes = w.detach().to(torch.bfloat16).contiguous()
         q.update(pack="none", cols_padded=shape[-1])
         entry = {"q": q, "codes": codes, "scales": None, "zeros": None}
+        bits_est = estimate_bits(entry)
+        deq = dequantize(entry, dtype=torch.float32)
     elif sc.kind == "fp8":
+        x = _as_rows(w)
         amax = x.abs().amax(1)
         s = round_up_bf16(amax / FP8_MAX)
         s = torch.where(s == 0, torch.ones_like(s), s)
         c = (x / s.float()[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         q.update(pack="byte", cols_padded=shape[-1])
         entry = {"q": q, "codes": c.view(torch.uint8).contiguous(), "scales": s.contiguous(), "zeros": None}
+        bits_est = estimate_bits(entry)
+        deq = dequantize(entry, dtype=torch.float32)
     else:
+        x = _as_rows(w)
+        rows = x.shape[0]
         xg, cp = _groups(x, sc.group)
-        rs = torch.linspace(0.5, 1.0, ratios, device=x.device) if search else torch.ones(1, device=x.device)
-        s, z, lo, hi = _int_params(xg, sc.bits, sc.sym, rs, x.shape[1])
+        if params is None:
+            rs = torch.linspace(0.5, 1.0, ratios, device=x.device) if search else torch.ones(1, device=x.device)
+            s, z, lo, hi = _int_params(xg, sc.bits, sc.sym, rs, x.shape[1])
+        else:  # the search's scales are bf16 values and its zeros integers in 0..255: both stored exactly
+            lo, hi = _int_range(sc.bits, sc.sym)
+            s = params[0].float().reshape(xg.shape[:-1])
+            z = torch.zeros_like(s) if params[1] is None else params[1].float().reshape(xg.shape[:-1])
         qv = (torch.round(xg / s[..., None]) + z[..., None]).clamp(lo, hi)
-        codes = (qv - lo).to(torch.uint8).reshape(x.shape[0], cp)  # unsigned: sym codes offset by 2**(bits-1)
-        pack = PACK_LAYOUT[sc.bits]
-        q.update(pack=pack, cols_padded=cp)
-        entry = {"q": q, "codes": pack_bits(codes, sc.bits) if pack == "bits" else codes.contiguous(),
+        codes = (qv - lo).to(torch.uint8).reshape(rows, cp)  # unsigned: sym codes offset by 2**(bits-1)
+        layout = PACK_LAYOUT[sc.bits]
+        q.update(pack=layout, cols_padded=cp)
+        entry = {"q": q, "codes": None if not pack else pack_bits(codes, sc.bits) if layout == "bits" else codes.contiguous(),
                  "scales": s.to(torch.bfloat16).contiguous(),
                  "zeros": None if sc.sym else z.to(torch.uint8).contiguous()}
-    deq = dequantize(entry, dtype=torch.float32)
+        prm = (entry["scales"], entry["zeros"])
+        bits_est = _side_bits(entry, _entropy_bits(codes, 1 << sc.bits))  # = estimate_bits(entry)
+        deq = _dequant_int(codes.float().view(rows, -1, sc.group), entry, dtype=torch.float32)
     ref = w.detach().float()
     num = (deq - ref).square().sum().item()
     den = ref.square().sum().item()
     q["err"] = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else float("inf"))
-    return entry
+    return entry, bits_est, prm
 
 
 def unpack_codes(entry: dict[str, Any]) -> torch.Tensor:
@@ -248,13 +289,19 @@ def dequantize(entry: dict[str, Any], dtype: torch.dtype = torch.bfloat16,
         entry = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
     if q["kind"] == "bf16":
         return entry["codes"].to(dtype).reshape(shape)
-    rows, cols = math.prod(shape[:-1]), shape[-1]
+    rows = math.prod(shape[:-1])
     if q["kind"] == "fp8":
         c = unpack_codes(entry).float()
         out = c * entry["scales"].float().reshape(rows, 1)
         return out.to(dtype).reshape(shape)
-    bits, group = int(q["bits"]), int(q["group"])
-    c = unpack_codes(entry).float().view(rows, -1, group)
+    return _dequant_int(unpack_codes(entry).float().view(rows, -1, int(q["group"])), entry, dtype)
+
+
+def _dequant_int(c: torch.Tensor, entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+    """intN dequantization from the unsigned codes as float32 of shape (rows, groups, group)."""
+    q = entry["q"]
+    shape = [int(v) for v in q["shape"]]
+    rows, cols, bits = c.shape[0], shape[-1], int(q["bits"])
     s = entry["scales"].float().reshape(rows, -1, 1)
     if q["sym"]:
         z = torch.full((), float(1 << (bits - 1)), device=c.device)
@@ -268,7 +315,8 @@ def dequantize(entry: dict[str, Any], dtype: torch.dtype = torch.bfloat16,
 def _entropy_bits(v: torch.Tensor, nsym: int) -> float:
     if v.numel() == 0:
         return 0.0
-    h = torch.bincount(v.reshape(-1).to(torch.int64), minlength=nsym).double()
+    v = v.reshape(-1)
+    h = torch.bincount(v if v.dtype == torch.uint8 else v.to(torch.int64), minlength=nsym).double()
     p = h[h > 0] / v.numel()
     return float(-(p * p.log2()).sum().item()) * v.numel()
 
@@ -284,6 +332,12 @@ def estimate_bits(entry: dict[str, Any]) -> float:
         total = _entropy_bits(entry["codes"], 256)
     else:
         total = _entropy_bits(unpack_codes(entry), 1 << int(q["bits"]))
+    return _side_bits(entry, total)
+
+
+def _side_bits(entry: dict[str, Any], total: float) -> float:
+    """``total`` plus the order-0 entropy bits of the scales (per byte plane) and zeros of an fp8 /
+    intN entry, added in this order (estimate_bits' float sum)."""
     sb = entry["scales"].reshape(-1).view(torch.uint8).view(-1, 2)
     total += _entropy_bits(sb[:, 0], 256) + _entropy_bits(sb[:, 1], 256)
     if entry["zeros"] is not None:
