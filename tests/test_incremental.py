@@ -363,8 +363,8 @@ def test_base_cannot_be_the_target(tmp_path):
 @pytest.mark.parametrize("kind", ["delta", "xor"])
 @pytest.mark.parametrize("in_place", [True, False])
 def test_fused_planes_ref_matches_two_steps(width, block, n, kind, in_place):
-    from ckptzip.engine.decode import _fused, _np_planes_ref
-    from ckptzip.transforms.byteplane import BytePlane
+    from ckptzip.engine.decode import _fused
+    from ckptzip.transforms.byteplane import BytePlane, np_decode_onto
     from ckptzip.transforms.refs import Delta, Xor
     g = torch.Generator().manual_seed(width * n)
     base = torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=g)
@@ -382,7 +382,7 @@ def test_fused_planes_ref_matches_two_steps(width, block, n, kind, in_place):
     dst = base.clone() if in_place else torch.empty_like(base)
     bound = ref.bind(dst if in_place else base)
     assert _fused(bp, bound)
-    _np_planes_ref(coded.numpy(), dst.numpy(), bound._slice(0, coded.numel()).numpy(), bp, bound)
+    np_decode_onto(coded.numpy(), dst.numpy(), bound.base_slice(0, coded.numel()).numpy(), width, block, kind)
     assert torch.equal(dst, new)
     assert not _fused(bp, Delta(0, 0, width * 2 if width < 8 else 2).bind(base))  # widths differ
 

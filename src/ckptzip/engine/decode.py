@@ -18,11 +18,7 @@ from ..errors import CorruptFileError
 from ..format import FLAG_STORED_RAW
 from ..io.reader import read_stored
 from ..transforms import RefTransform, Transform, get_transform
-from ..transforms.byteplane import _STEP as _BP_STEP
-from ..transforms.byteplane import _UINT as _BP_UINT
-from ..transforms.byteplane import BytePlane
-from ..transforms.byteplane import _np_run as _bp_run
-from ..transforms.byteplane import _np_steps as _bp_steps
+from ..transforms.byteplane import BytePlane, np_decode_onto
 from ..transforms.refs import Delta, Xor
 from .memory import PINNED, copy_segments
 from .plan import DEFAULT_WINDOW, codec_key
@@ -245,7 +241,8 @@ def _cpu_untransform(stream: torch.Tensor, grp: list) -> None:
         tf, ref, part, dst, a, b_ = tasks[k]
         if ref is not None:
             if _fused(tf, ref):
-                _np_planes_ref(part.numpy(), dst.numpy(), ref._slice(a, b_ - a).numpy(), tf, ref)
+                np_decode_onto(part.numpy(), dst.numpy(), ref.base_slice(a, b_ - a).numpy(), tf.width, tf.block,
+                               "delta" if isinstance(ref, Delta) else "xor")
                 return
             if tf is not None:
                 tmp = torch.empty_like(part)
@@ -263,40 +260,3 @@ def _fused(tf: Transform | None, ref: RefTransform) -> bool:
     """Whether a CPU ``byteplane`` + ``delta``/``xor`` pair is undone in one cache-blocked pass."""
     return (isinstance(tf, BytePlane) and isinstance(ref, (Delta, Xor)) and ref.ref is not None
             and ref.ref.device.type == "cpu" and (not isinstance(ref, Delta) or ref.width == tf.width))
-
-
-def _np_planes_ref(src: np.ndarray, dst: np.ndarray, ref: np.ndarray, tf: BytePlane, rt: RefTransform) -> None:
-    """``byteplane`` decode of ``src`` followed by the ``delta`` (or ``xor``) decode against
-    ``ref`` into ``dst`` (``ref`` may be ``dst`` itself: the base decoded in place), step by step
-    of cache-resident words: no storage-sized temporary, one pass over ``dst``."""
-    w, b = tf.width, tf.block
-    n = src.size // w
-    ut = _BP_UINT[w]
-    d, r = dst.view(ut), ref.view(ut)
-    top = 8 * w - 1
-    delta = isinstance(rt, Delta)
-    mask = ut((1 << top) - 1)
-
-    def run(steps) -> None:
-        t = np.empty(_BP_STEP, ut)
-        q = np.empty(_BP_STEP, ut)
-        for s, e, start, m in steps:
-            tt, qq = t[:e - s], q[:e - s]
-            planes = src[start * w:(start + m) * w].reshape(w, m)
-            a, z = s - start, e - start
-            np.copyto(tt, planes[w - 1, a:z], casting="unsafe")
-            for k in range(w - 2, -1, -1):
-                np.left_shift(tt, 8, out=tt)
-                np.copyto(qq, planes[k, a:z], casting="unsafe")
-                tt |= qq
-            np.right_shift(tt, 1, out=qq)
-            np.left_shift(tt, top, out=tt)
-            qq |= tt  # the residual words
-            if delta:  # unfold: the low bits inverted where the top bit is set
-                np.right_shift(qq, top, out=tt)
-                tt *= mask
-                qq ^= tt
-                np.add(r[s:e], qq, out=d[s:e])
-            else:
-                np.bitwise_xor(r[s:e], qq, out=d[s:e])
-    _bp_run(run, _bp_steps(n, w, b), src.size)

@@ -170,6 +170,19 @@ def _np_encode(src: np.ndarray, out: np.ndarray, w: int, b: int) -> None:
     _np_run(run, _np_steps(n, w, b), src.size)
 
 
+def _words(planes: np.ndarray, a: int, z: int, w: int, tt: np.ndarray, qq: np.ndarray, out: np.ndarray) -> None:
+    """Words ``a:z`` of one step gathered from its ``w`` planes, rotation undone, into ``out``
+    (``tt`` / ``qq``: scratch of the step's length; ``out`` may be ``qq``)."""
+    np.copyto(tt, planes[w - 1, a:z], casting="unsafe")
+    for k in range(w - 2, -1, -1):
+        np.left_shift(tt, 8, out=tt)
+        np.copyto(qq, planes[k, a:z], casting="unsafe")
+        tt |= qq
+    np.right_shift(tt, 1, out=out)
+    np.left_shift(tt, 8 * w - 1, out=tt)
+    out |= tt
+
+
 def _np_decode(src: np.ndarray, dst: np.ndarray, w: int, b: int) -> None:
     n = src.size // w
     ut = _UINT[w]
@@ -179,16 +192,35 @@ def _np_decode(src: np.ndarray, dst: np.ndarray, w: int, b: int) -> None:
         t = np.empty(_STEP, ut)
         q = np.empty(_STEP, ut)
         for s, e, start, m in steps:
+            planes = src[start * w:(start + m) * w].reshape(w, m)
+            _words(planes, s - start, e - start, w, t[:e - s], q[:e - s], d[s:e])
+    _np_run(run, _np_steps(n, w, b), src.size)
+
+
+def np_decode_onto(src: np.ndarray, dst: np.ndarray, ref: np.ndarray, w: int, b: int, fold: str) -> None:
+    """``byteplane`` decode of ``src`` (words of ``w`` bytes, blocks of ``b`` words) combined with
+    ``ref`` into ``dst``, step by step of cache-resident words (no storage-sized temporary, one
+    pass over ``dst``; ``ref`` may be ``dst``): ``fold="delta"`` adds the sign-folded residual
+    (format 1.1 ``delta``), ``"xor"`` XORs it."""
+    n = src.size // w
+    ut = _UINT[w]
+    d, r = dst.view(ut), ref.view(ut)
+    top = 8 * w - 1
+    delta = fold == "delta"
+    mask = ut((1 << top) - 1)
+
+    def run(steps) -> None:
+        t = np.empty(_STEP, ut)
+        q = np.empty(_STEP, ut)
+        for s, e, start, m in steps:
             tt, qq = t[:e - s], q[:e - s]
             planes = src[start * w:(start + m) * w].reshape(w, m)
-            a, z = s - start, e - start
-            np.copyto(tt, planes[w - 1, a:z], casting="unsafe")
-            for k in range(w - 2, -1, -1):
-                np.left_shift(tt, 8, out=tt)
-                np.copyto(qq, planes[k, a:z], casting="unsafe")
-                tt |= qq
-            dd = d[s:e]
-            np.right_shift(tt, 1, out=dd)
-            np.left_shift(tt, 8 * w - 1, out=tt)
-            dd |= tt
+            _words(planes, s - start, e - start, w, tt, qq, qq)  # the residual words
+            if delta:  # unfold: the low bits inverted where the top bit is set
+                np.right_shift(qq, top, out=tt)
+                tt *= mask
+                qq ^= tt
+                np.add(r[s:e], qq, out=d[s:e])
+            else:
+                np.bitwise_xor(r[s:e], qq, out=d[s:e])
     _np_run(run, _np_steps(n, w, b), src.size)

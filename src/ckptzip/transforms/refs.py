@@ -114,6 +114,11 @@ class RefTransform(Transform):
         t.ref = ref
         return t
 
+    def base_slice(self, start: int, n: int) -> torch.Tensor:
+        """The bound reference's elements ``start:start+n`` (in this transform's units), as bytes
+        of the reference storage."""
+        return self._slice(start, n)
+
     def _slice(self, start: int, n: int) -> torch.Tensor:
         if self.ref is None:
             raise RuntimeError(f"{self.wire_id}: transform used before bind()")
