@@ -396,20 +396,25 @@ class CheckpointManager:
             return f"checkpoint directory {_dir_name(step)}/ is missing"
         if d.get("type") != "directory":
             return f"{_dir_name(step)} is not a directory ({d.get('type')})"
+        here = self.dir_path(step)
+
+        def rel(e: BaseException) -> str:  # reasons name the step directory, not an absolute path
+            return str(e).replace(here, _dir_name(step))
+
         try:
-            sha = commit_marker(self.dir_path(step))["metadata_sha256"]
+            sha = commit_marker(here)["metadata_sha256"]
         except DCPMetadataError as e:  # missing or malformed
-            return f"{_dir_name(step)}/{COMMIT_NAME}: {e}"
+            return f"{_dir_name(step)}/{COMMIT_NAME}: {rel(e)}"
         except OSError as e:
-            return f"{_dir_name(step)}/{COMMIT_NAME} unreadable: {e}"
+            return f"{_dir_name(step)}/{COMMIT_NAME} unreadable: {rel(e)}"
         if sha != info["metadata_sha256"]:
             return f"{_dir_name(step)}/{COMMIT_NAME} belongs to another save than the marker"
         try:
-            read_metadata(self.dir_path(step), check_files=True)
+            read_metadata(here, check_files=True)
         except DCPMetadataError as e:
-            return str(e)
+            return rel(e)
         except OSError as e:
-            return f"unreadable: {e}"
+            return f"unreadable: {rel(e)}"
         return None
 
     def _dcp_bytes(self, step: int) -> int | None:
