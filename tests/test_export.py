@@ -241,6 +241,24 @@ def test_allocate_knapsack_small():
     assert allocate(table, max_damage=1.0) == {"a": "y", "b": "x"}
 
 
+def _trained(m, x, y, n_train: int, steps: int, g):
+    """Train ``m`` with Adam on the first ``n_train`` rows (batches drawn from ``g``); returns its
+    weights and an eval_fn: held-out cross-entropy on the remaining rows."""
+    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+    for _ in range(steps):
+        idx = torch.randint(0, n_train, (128,), generator=g)
+        loss = F.cross_entropy(m(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    xh, yh = x[n_train:], y[n_train:]
+
+    def eval_fn(weights):
+        with torch.no_grad():
+            return float(F.cross_entropy(torch.func.functional_call(m, {k: v.float() for k, v in weights.items()}, (xh,)), yh))
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}, eval_fn
+
+
 @functools.lru_cache(maxsize=1)
 def _tiny_task():
     """A 3-layer MLP learning a fixed random teacher; held-out cross-entropy as eval_fn."""
@@ -250,19 +268,7 @@ def _tiny_task():
     y = (x @ teacher + 0.3 * torch.randn(3000, 8, generator=g)).argmax(1)
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 8))
-    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
-    for i in range(200):
-        idx = torch.randint(0, 2500, (128,), generator=g)
-        loss = F.cross_entropy(m(x[idx]), y[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    xh, yh = x[2500:], y[2500:]
-
-    def eval_fn(weights):
-        with torch.no_grad():
-            return float(F.cross_entropy(torch.func.functional_call(m, {k: v.float() for k, v in weights.items()}, (xh,)), yh))
-    return {k: v.detach().clone() for k, v in m.state_dict().items()}, eval_fn
+    return _trained(m, x, y, 2500, 200, g)
 
 
 @functools.lru_cache(maxsize=1)
@@ -278,19 +284,7 @@ def _deep_task():
     for _ in range(3):
         layers += [nn.Linear(96, 96), nn.ReLU()]
     m = nn.Sequential(*layers, nn.Linear(96, 8))
-    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
-    for _ in range(300):
-        idx = torch.randint(0, 20000, (128,), generator=g)
-        loss = F.cross_entropy(m(x[idx]), y[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    xh, yh = x[20000:], y[20000:]
-
-    def eval_fn(weights):
-        with torch.no_grad():
-            return float(F.cross_entropy(torch.func.functional_call(m, {k: v.float() for k, v in weights.items()}, (xh,)), yh))
-    return {k: v.detach().clone() for k, v in m.state_dict().items()}, eval_fn
+    return _trained(m, x, y, 20000, 300, g)
 
 
 DEEP_CANDS = ("int2-g32", "int3-g32", "int4-g32", "int5-g32", "int6-g32", "int8-g32")
