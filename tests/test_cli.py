@@ -599,3 +599,12 @@ def test_directories_that_are_not_ckptzip_checkpoints_are_named(tmp_path, capsys
             msg = err.err or err.out
             assert words in msg, (cmd, msg)
             assert msg.count("Error:") <= 1, msg  # the error's name once
+
+
+def test_not_a_checkpoint_on_an_fsspec_url():
+    """The same naming for a URL directory (it lists through fsspec)."""
+    import fsspec
+    from ckptzip.dcp import not_a_checkpoint
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/nac/torchdcp/.metadata", b"pickle")
+    assert "own writer" in str(not_a_checkpoint("memory://nac/torchdcp"))

@@ -549,14 +549,13 @@ def cmd_consolidate(a) -> int:
     if os.path.abspath(a.output) == os.path.abspath(a.directory) or (
             not is_url(a.output) and os.path.isdir(a.output)):
         raise UsageError(f"{a.output}: the output must be a file, not a directory")
-    if not is_url(a.output) and not is_url(a.directory):
-        src = os.path.realpath(a.directory)
-        parent = os.path.realpath(os.path.dirname(os.path.abspath(a.output)))
-        if os.path.commonpath([src, parent]) == src:
-            raise UsageError(f"output {a.output!r} is inside the checkpoint directory {a.directory!r}; "
-                             "write it elsewhere")
-        if not os.path.isdir(parent):
-            raise FileNotFoundError(2, "Output directory does not exist", parent)
+    from .dcp import output_inside
+    if output_inside(a.directory, a.output):
+        raise UsageError(f"output {a.output!r} is inside the checkpoint directory {a.directory!r}; "
+                         "write it elsewhere")
+    parent = os.path.dirname(os.path.abspath(a.output))
+    if not is_url(a.output) and not os.path.isdir(parent):
+        raise FileNotFoundError(2, "Output directory does not exist", parent)
     from torch.distributed.checkpoint.api import CheckpointException
     from .dcp import read_metadata
     read_metadata(a.directory)  # named errors (not committed, bad metadata) before DCP wraps them

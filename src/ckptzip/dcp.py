@@ -113,7 +113,11 @@ def not_a_checkpoint(path: str) -> Exception:
     if not is_url(path) and not os.path.isdir(path):
         return FileNotFoundError(2, "No such directory", path)
     try:
-        names = [p.rsplit("/", 1)[-1] for p in _fs(path).ls(path, detail=False)] if is_url(path) else os.listdir(path)
+        if is_url(path):
+            fs, p = _fs(path)
+            names = [n.rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(p, detail=False)]
+        else:
+            names = os.listdir(path)
     except OSError:
         names = []
     if ".metadata" in names:
@@ -887,6 +891,16 @@ class Reader(_PathId, StorageReader):
 
 
 # -- consolidation -------------------------------------------------------------------------------
+def output_inside(path: str | os.PathLike, out_path: str | os.PathLike) -> bool:
+    """Whether the local file ``out_path`` would land inside the local checkpoint directory
+    ``path`` (any spelling, links resolved), where it could replace a rank file or the marker."""
+    path, out_path = os.fspath(path), os.fspath(out_path)
+    if is_url(path) or is_url(out_path):
+        return False
+    src = os.path.realpath(path)
+    return os.path.commonpath([src, os.path.realpath(os.path.dirname(os.path.abspath(out_path)))]) == src
+
+
 def consolidate(path: str | os.PathLike, out_path: str | os.PathLike, *, allow_pickle: bool = False,
                 **save_kwargs: Any) -> dict[str, Any]:
     """Read the DCP checkpoint in ``path`` (written by :class:`Writer`) in this process (no process
@@ -899,12 +913,9 @@ def consolidate(path: str | os.PathLike, out_path: str | os.PathLike, *, allow_p
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    if not is_url(os.fspath(path)) and not is_url(os.fspath(out_path)):
-        src = os.path.realpath(path)
-        parent = os.path.realpath(os.path.dirname(os.path.abspath(out_path)))
-        if os.path.commonpath([src, parent]) == src:
-            raise ValueError(f"consolidate: the output {os.fspath(out_path)!r} is inside the checkpoint directory "
-                             f"{os.fspath(path)!r} (it could replace one of its files); write it elsewhere")
+    if output_inside(path, out_path):
+        raise ValueError(f"consolidate: the output {os.fspath(out_path)!r} is inside the checkpoint directory "
+                         f"{os.fspath(path)!r} (it could replace one of its files); write it elsewhere")
     sd: dict[str, Any] = {}
     _load_state_dict(sd, storage_reader=Reader(path, allow_pickle=allow_pickle),
                      planner=_EmptyStateDictLoadPlanner(), no_dist=True)
