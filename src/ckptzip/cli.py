@@ -973,8 +973,7 @@ def main(argv: list[str] | None = None) -> int:
         from .errors import ResourceLimitError
         if isinstance(e, ResourceLimitError):
             hint += " (command line: --max-bytes)"
-        msg = str(e)  # some errors (the DCP ones) already start with their name
-        error_line(f"{msg if msg.startswith(type(e).__name__ + ':') else type(e).__name__ + ': ' + msg}{hint}")
+        error_line(f"{_named(e)}{hint}")
         return 1
     except BrokenPipeError:  # e.g. `ckptzip info x.ckz | head`
         with contextlib.suppress(OSError):

@@ -84,21 +84,22 @@ class ChunkWriter:
             self.pos = start + total
             self.rows.append(block)
             return
-        self._check()
-        self._start_thread()
-        slot = self._free.get()
-        self._check()
+        slot = self._slot()
         host, rel = stage_encoded(enc, PINNED.acquire)
         self._enqueue((slot, host), host, rel)
 
     def add_pooled(self, host: torch.Tensor, rel: np.ndarray) -> None:
         """Append a packed group held in a buffer leased from ``PINNED`` (given back once
         written); waits while two windows are in flight, as :meth:`add` does."""
+        self._enqueue((self._slot(), host), host, rel)
+
+    def _slot(self):
+        """A flow-control token (at most two pooled windows in flight), once the writer thread runs."""
         self._check()
         self._start_thread()
         slot = self._free.get()
         self._check()
-        self._enqueue((slot, host), host, rel)
+        return slot
 
     def add_staged(self, host: torch.Tensor, rel: np.ndarray) -> None:
         """Append a group staged earlier by :func:`stage_encoded` (its buffer is not recycled)."""
