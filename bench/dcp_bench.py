@@ -95,6 +95,36 @@ def drop_caches():
     barrier()
 
 
+def disk_ceiling(disk: str, nbytes: int) -> dict:
+    """What the disk gives every rank at once: each rank writes ``nbytes`` (64 MiB writes, fsync)
+    to a file of its own, then reads it back with the page cache dropped. GB/s over all ranks."""
+    os.makedirs(disk, exist_ok=True)
+    p = os.path.join(disk, f"ceiling_{rank()}.bin")
+    block = os.urandom(64 << 20)
+    n = max(1, nbytes // len(block))
+    barrier()
+    t = time.perf_counter()
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for _ in range(n):
+        os.write(fd, block)
+    os.fsync(fd)
+    os.close(fd)
+    barrier()
+    w = time.perf_counter() - t
+    drop_caches()
+    buf = bytearray(len(block))
+    t = time.perf_counter()
+    fd = os.open(p, os.O_RDONLY)
+    while os.readv(fd, [buf]):
+        pass
+    os.close(fd)
+    barrier()
+    r = time.perf_counter() - t
+    os.unlink(p)
+    total = n * len(block) * (dist.get_world_size() if dist.is_initialized() else 1)
+    return {"bytes": total, "write_gbs": total / w / 1e9, "read_gbs": total / r / 1e9}
+
+
 def du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _d, fs in os.walk(path) for f in fs)
 
@@ -303,6 +333,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where dcp_bench.json goes")
     ap.add_argument("--reps", type=int, default=2, help="saves per method (default 2)")
     ap.add_argument("--no-consolidate", action="store_true", help="skip ckptzip consolidate + its check")
+    ap.add_argument("--no-ceiling", action="store_true", help="skip measuring the disk's write/read GB/s "
+                    "(every rank writes up to 8 GiB with fsync, reads it back cold)")
     ap.add_argument("--no-loop", action="store_true", help="skip the time lost in the training loop per async save")
     ap.add_argument("--methods", default="", help="comma-separated substrings: run only the methods whose name "
                     "contains one, e.g. 'FileSystem,ckptzip' (default: all three; one rank on one GPU runs all "
@@ -330,6 +362,9 @@ def main():
     res = {"info": {"params": params, "raw_bytes": raw, "world_size": dist.get_world_size(),
                     "device": torch.cuda.get_device_name(dev) if ngpu else "cpu", "torch": torch.__version__,
                     "steps": a.steps, "date": time.strftime("%Y-%m-%d")}, "methods": {}}
+    if not a.no_ceiling:
+        res["info"]["disk"] = disk_ceiling(a.disk, min(raw_local, 8 << 30))
+        log("disk ceiling", json.dumps(res["info"]["disk"]))
     for name, (mk_w, mk_r) in methods(a).items():
         r = {"save_s": [], "save_gpu_mib": [], "save_rss_mib": []}
         path = os.path.join(a.disk, name.replace(" ", "_").replace("+", "p").replace(".", ""))
