@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from .pipeline import prepare, write
-from .engine import DEFAULT_CHUNK, PINNED, encode_group_arrays, gather_gpu
+from .engine import DEFAULT_CHUNK, PINNED, encode_group_arrays, free_gpu_bytes, gather_gpu
 
 
 class Arena:
@@ -265,7 +265,7 @@ def _snapshot(prep, gpu_bytes: int | None, arena: Arena) -> list:
                 for u in grp)
     arena.reset(bound + 64 * len(prep.groups) if bound else 0)
     if gpu_bytes is None and torch.cuda.is_available():
-        gpu_bytes = torch.cuda.mem_get_info()[0] // 4
+        gpu_bytes = free_gpu_bytes() // 4
     staged = []
     held = 0
     inflight: deque = deque()

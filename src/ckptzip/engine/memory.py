@@ -43,6 +43,14 @@ class PinnedPool:
             self._leased[b.data_ptr()] = weakref.ref(b)
         return b[:n]
 
+    def outstanding(self) -> int:
+        """How many leased buffers are still alive (leases lost to an exception lapse when their
+        buffer is freed, and are forgotten here)."""
+        with self._lock:
+            for k in [k for k, r in self._leased.items() if r() is None]:
+                del self._leased[k]
+            return len(self._leased)
+
     def release(self, view: torch.Tensor) -> None:
         """Return a buffer from :meth:`acquire` (or a view that starts where it starts)."""
         with self._lock:
@@ -56,6 +64,14 @@ class PinnedPool:
 
 
 PINNED = PinnedPool()
+
+
+def free_gpu_bytes() -> int:
+    """Free memory of the current CUDA device as this process can use it: what the driver
+    reports free plus what torch's caching allocator holds without using (a save right after
+    another finds its memory there, not in the driver's free count)."""
+    free, _total = torch.cuda.mem_get_info()
+    return free + max(0, torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
 
 
 def copy_segments(src: torch.Tensor, soffs: np.ndarray, dst: torch.Tensor, doffs: np.ndarray,

@@ -49,8 +49,8 @@ def gpu_window(budget: int | None = None) -> int:
     ~50 GB/s with 16 MB per call, ~150 with 64 MB and 300-400 with 256 MB
     (bench/probe_throughput.py)."""
     if budget is None:
-        free, _total = torch.cuda.mem_get_info()
-        budget = min(1 << 30, free // 10)
+        from .memory import free_gpu_bytes
+        budget = min(1 << 30, free_gpu_bytes() // 10)
     return max(1 << 20, (budget // 4) >> 20 << 20)
 
 
