@@ -821,7 +821,6 @@ class Reader(_PathId, StorageReader):
                 raise DCPMetadataError(f"no stored item for {req.storage_index}")
             per_file[s.file].append((s.key, req))
         for name, reqs in per_file.items():
-            reqs.sort(key=lambda kr: kr[0])  # read items of one stored chunk are served in a row
             self._read_file(name, reqs, planner)
         fut: Future = Future()
         fut.set_result(None)
@@ -833,6 +832,16 @@ class Reader(_PathId, StorageReader):
         cache: collections.OrderedDict[tuple[str, str], torch.Tensor] = collections.OrderedDict()
         cached = 0
 
+        def opened(device: torch.device):
+            ent = readers.get(str(device))
+            if ent is None:
+                ent = readers[str(device)] = ckptzip.open(path, map_location=device)
+                if ent.metadata.get("ckptzip.lossy") == "1":  # not a rank file of ours: never resume from it
+                    from .lossy.errors import LossyCheckpointError
+                    ent.close()
+                    raise LossyCheckpointError(f"{path} is a lossy weights-only export, not a rank file")
+            return ent
+
         def fetch(key: str, device: torch.device) -> torch.Tensor:
             nonlocal cached
             ck = (key, str(device))
@@ -842,13 +851,7 @@ class Reader(_PathId, StorageReader):
             while cache and cached > self.cache_bytes:  # drop before decoding the next chunk
                 _, old = cache.popitem(last=False)
                 cached -= old.numel() * old.element_size()
-            ent = readers.get(str(device))
-            if ent is None:
-                ent = readers[str(device)] = ckptzip.open(path, map_location=device)
-                if ent.metadata.get("ckptzip.lossy") == "1":  # not a rank file of ours: never resume from it
-                    from .lossy.errors import LossyCheckpointError
-                    ent.close()
-                    raise LossyCheckpointError(f"{path} is a lossy weights-only export, not a rank file")
+            ent = opened(device)
             try:
                 t = ent.get_tensor(key, keep=False)
             except KeyError:
@@ -860,6 +863,12 @@ class Reader(_PathId, StorageReader):
             return t
 
         try:
+            # serve the items in the file's order (read items of one stored chunk in a row): each
+            # read then asks the kernel for the bytes that come next (a cold disk keeps reading
+            # while this chunk is decoded)
+            where = {t["key"]: t["storage"] for t in opened(torch.device("cpu")).tensor_info()
+                     if isinstance(t["storage"], int)}
+            reqs.sort(key=lambda kr: (where.get(kr[0], len(where)), kr[0]))
             for key, req in reqs:
                 what = f"{name}:{key}"
                 if req.type == LoadItemType.BYTE_IO:

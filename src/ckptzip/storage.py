@@ -94,7 +94,30 @@ def _unlink_quietly(path: str) -> None:
 
 _READ_POOL = None
 _PARALLEL_PIECE = 16 << 20
-_READ_THREADS = int(os.environ.get("CKPTZIP_READ_THREADS", "4"))
+#: threads for large local reads (and the reader's checksums): NVMe drives and the page cache
+#: both want several requests in flight
+READ_THREADS = int(os.environ.get("CKPTZIP_READ_THREADS", str(max(1, min(8, os.cpu_count() or 1)))))
+#: bytes of the file after a batch that the kernel is asked to start reading (POSIX_FADV_WILLNEED):
+#: a cold disk keeps reading while the batch is decoded
+READAHEAD = 256 << 20
+
+
+def read_pool():
+    """The shared thread pool of local reads (``READ_THREADS`` workers). Work given to it must
+    not wait on other work of the pool."""
+    global _READ_POOL
+    if _READ_POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+        _READ_POOL = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="ckptzip-read")
+    return _READ_POOL
+
+
+def will_need(fd, offset: int, length: int = READAHEAD) -> None:
+    """Ask the kernel to start reading ``length`` bytes of a local file from ``offset`` (a hint:
+    no effect on remote sources, tmpfs, or where posix_fadvise is missing)."""
+    if isinstance(fd, int) and length > 0 and hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
 
 
 def pread_into(fd, buf: memoryview, offset: int) -> None:
@@ -104,20 +127,18 @@ def pread_into(fd, buf: memoryview, offset: int) -> None:
     if not isinstance(fd, int):
         return fd.pread_into(buf, offset)
     n = len(buf)
-    if n >= 4 * _PARALLEL_PIECE and _READ_THREADS > 1:
-        global _READ_POOL
-        if _READ_POOL is None:
-            from concurrent.futures import ThreadPoolExecutor
-            _READ_POOL = ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="ckptzip-read")
-        futs = [_READ_POOL.submit(_pread_all, fd, buf[a:a + _PARALLEL_PIECE], offset + a)
+    if n >= 4 * _PARALLEL_PIECE and READ_THREADS > 1:
+        futs = [read_pool().submit(pread_exact, fd, buf[a:a + _PARALLEL_PIECE], offset + a)
                 for a in range(0, n, _PARALLEL_PIECE)]
         for f in futs:
             f.result()
         return
-    _pread_all(fd, buf, offset)
+    pread_exact(fd, buf, offset)
 
 
-def _pread_all(fd: int, buf: memoryview, offset: int) -> None:
+def pread_exact(fd: int, buf: memoryview, offset: int) -> None:
+    """Fill ``buf`` from ``offset`` of the OS file descriptor ``fd`` in this thread, or raise
+    TruncatedFileError."""
     got = 0
     n = len(buf)
     while got < n:

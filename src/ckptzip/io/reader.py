@@ -8,7 +8,7 @@ import torch
 from ..engine.memory import ALIGN, PINNED, ceil_align
 from ..errors import ChecksumError
 from ..format import checksum
-from ..storage import pread_into
+from ..storage import READ_THREADS, pread_exact, pread_into, read_pool, will_need
 
 def read_stored(fd: int, batch: np.ndarray, pinned: bool = False) -> tuple[torch.Tensor, list[int]]:
     """Read a batch's stored chunks into one host buffer and verify their checksums. Returns the
@@ -35,36 +35,53 @@ def read_stored(fd: int, batch: np.ndarray, pinned: bool = False) -> tuple[torch
         raise
 
 
-def _read_into(fd: int, batch: np.ndarray, buf: torch.Tensor, fo: np.ndarray, offs: np.ndarray,
+def _read_into(fd, batch: np.ndarray, buf: torch.Tensor, fo: np.ndarray, offs: np.ndarray,
                stored: np.ndarray, one_read: bool) -> list[int]:
     n = len(batch)
     b = buf.numpy()
-    if one_read:
+    total = int(stored.sum())
+    if isinstance(fd, int) and n > 1 and READ_THREADS > 1 and total >= _PARALLEL_MIN:
+        # local file: the chunks in contiguous parts, each read and checksummed by one thread
+        # of the pool while its bytes are still in the CPU's cache
+        ends = np.cumsum(stored)
+        cuts = np.searchsorted(ends, np.arange(1, 2 * READ_THREADS) * (total / (2 * READ_THREADS)))
+        bounds = sorted({0, n, *[int(c) + 1 for c in cuts if c + 1 < n]})
+
+        def part(ab: tuple[int, int]) -> list[int]:
+            a, z = ab
+            if one_read:
+                pread_exact(fd, memoryview(b[offs[a]:offs[z - 1] + stored[z - 1]]), int(fo[a]))
+            else:
+                for k in range(a, z):
+                    pread_exact(fd, memoryview(b[offs[k]:offs[k] + stored[k]]), int(fo[k]))
+            return [checksum(memoryview(b[offs[k]:offs[k] + stored[k]])) for k in range(a, z)]
+        sums = [x for got in read_pool().map(part, zip(bounds[:-1], bounds[1:])) for x in got]
+    elif one_read:
         pread_into(fd, memoryview(b), int(fo[0]))
+        sums = checksums(b, offs, stored)
     else:
         for k in range(n):
             pread_into(fd, memoryview(b[offs[k]:offs[k] + stored[k]]), int(fo[k]))
-    sums = checksums(b, offs, stored)
+        sums = checksums(b, offs, stored)
+    if n:
+        will_need(fd, int(fo[-1] + stored[-1]))
     for k in range(n):
         if sums[k] != int(batch["xxh3"][k]):
             raise ChecksumError(f"chunk at file offset {int(fo[k])} fails its checksum")
     return offs.tolist()
 
 
-_SUM_POOL = None
+#: batches from this size on are read and checksummed in parallel parts (local files)
+_PARALLEL_MIN = 8 << 20
 
 
 def checksums(b: np.ndarray, offs, stored) -> list[int]:
-    """XXH3-64 of every chunk; large batches are hashed by four threads, each taking a
-    contiguous quarter of the chunks (xxhash releases the GIL on large inputs)."""
+    """XXH3-64 of every chunk; large batches are hashed by the read pool's threads, each taking
+    a contiguous part of the chunks (xxhash releases the GIL on large inputs)."""
     n = len(offs)
 
     def run(ks) -> list[int]:
         return [checksum(memoryview(b[offs[k]:offs[k] + stored[k]])) for k in ks]
-    if int(np.sum(stored)) < (32 << 20) or n < 4:
+    if int(np.sum(stored)) < (32 << 20) or n < 4 or READ_THREADS < 2:
         return run(range(n))
-    global _SUM_POOL
-    if _SUM_POOL is None:
-        from concurrent.futures import ThreadPoolExecutor
-        _SUM_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckptzip-sum")
-    return [x for part in _SUM_POOL.map(run, np.array_split(np.arange(n), 4)) for x in part]
+    return [x for part in read_pool().map(run, np.array_split(np.arange(n), READ_THREADS)) for x in part]
