@@ -321,6 +321,30 @@ def test_single_process_without_process_group(tmp_path):
     assert torch.equal(other["a"], st["a"].double())
 
 
+def test_whole_chunks_decoded_straight_into_targets(tmp_path, monkeypatch):
+    """Same layout on save and load: every tensor item is decoded into its target in one pass
+    (no per-chunk get_tensor); a target of another dtype still gets a converting copy."""
+    p = str(tmp_path / "c")
+    st = _save_single(p)
+    calls = []
+    orig = ckptzip.api.CheckpointReader.get_tensor
+
+    def counting(self, key, **kw):
+        calls.append(key)
+        return orig(self, key, **kw)
+    monkeypatch.setattr(ckptzip.api.CheckpointReader, "get_tensor", counting)
+    got = _fresh(st)
+    dcp.load(got, storage_reader=Reader(p))
+    _same(got["a"], st["a"])
+    _same(got["n"]["b"], st["n"]["b"])
+    assert [k for k in calls if not k.endswith("@bytes")] == []
+    other = _fresh(st)
+    other["a"] = torch.zeros(5, 3, dtype=torch.float64)
+    dcp.load(other, storage_reader=Reader(p))
+    assert torch.equal(other["a"], st["a"].double())
+    assert any(k.startswith("a@") for k in calls)
+
+
 def test_fsspec_memory_url():
     pytest.importorskip("fsspec")
     p = "memory://ckptzip-dcp-test/c1"

@@ -171,3 +171,22 @@ def test_unsupported_object_error_names_where_it_is(tmp_path):
     with pytest.raises(ckptzip.UnsupportedObjectError, match=r"\['model'\]\['a'\]\[1\]"):
         ckptzip.save({"model": {"a": [1, object()]}}, tmp_path / "x.ckz")
     assert not (tmp_path / "x.ckz").exists()
+
+
+def test_read_into_fills_whole_storages_only(tmp_path):
+    """CheckpointReader.read_into decodes a key into the caller's tensor only where the stored
+    tensor is its storage's whole contiguous content with the target's dtype and shape."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(4, 5, generator=g)
+    st = {"w": w, "row": w[1], "h": torch.randn(3, generator=g).half(), "t": torch.randn(3, 2, generator=g).t()}
+    p = tmp_path / "r.ckz"
+    ckptzip.save(st, p)
+    with ckptzip.open(p) as r:
+        tg = {"row": torch.empty(5), "w": torch.empty(4, 5), "h": torch.empty(3, dtype=torch.float32),
+              "t": torch.empty(2, 3), "missing": torch.empty(1)}
+        got = r.read_into(tg)
+        assert got == ["w"]
+        assert torch.equal(tg["w"], w)
+        assert torch.equal(r.get_tensor("row"), w[1]) and torch.equal(r.get_tensor("t"), st["t"])
+        h = torch.empty(3, dtype=torch.float16)
+        assert r.read_into({"h": h}) == ["h"] and torch.equal(h, st["h"])

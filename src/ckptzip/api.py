@@ -413,6 +413,38 @@ class CheckpointReader:
                 del self._cache[i]
         return out
 
+    def read_into(self, targets: Mapping[str, torch.Tensor]) -> list[str]:
+        """Decode tensors by key straight into the caller's tensors, all in one pipelined pass
+        (no decoded copy is made), and return the keys filled. A key is filled only where the
+        stored tensor is its storage's whole contiguous content with the target's dtype and
+        shape, and the target is a contiguous CPU or CUDA tensor; other keys (views into larger
+        storages, storages shared by several keys, mismatches) are left untouched for
+        :meth:`get_tensor`. A failed decode may leave filled targets partly written."""
+        outs: dict[int, torch.Tensor] = {}
+        done: list[str] = []
+        meta = Decoder(None, False)
+        for key, tgt in targets.items():
+            node = self._node(key)
+            if not isinstance(node, dict) or node.get("t") != "tensor" or not isinstance(tgt, torch.Tensor):
+                continue
+            i = self._storage_index(node)
+            s = self.storages[i]
+            dt, shape, stride, off = meta.tensor_meta(node, s["nbytes"])
+            want, acc = [], 1
+            for d in reversed(shape):
+                want.append(acc)
+                acc *= d
+            if (dt != tgt.dtype or list(tgt.shape) != shape or stride != want[::-1] or off != 0 or i in outs
+                    or i in self._cache or not tgt.is_contiguous() or tgt.numel() == 0
+                    or tgt.device.type not in ("cpu", "cuda") or s["nbytes"] != tgt.numel() * tgt.element_size()):
+                continue
+            outs[i] = tgt.detach().reshape(-1).view(torch.uint8)
+            done.append(key)
+        if outs:
+            self._check_budget(sum(self.storages[i]["nbytes"] for i in outs), "the requested tensors")
+            self._fill(outs, None, {i: self._job_into(i, out) for i, out in outs.items()})
+        return done
+
     def load(self) -> Any:
         """The whole object, as ``ckptzip.load`` returns it."""
         self._prefetch_all()

@@ -866,10 +866,32 @@ class Reader(_PathId, StorageReader):
             # serve the items in the file's order (read items of one stored chunk in a row): each
             # read then asks the kernel for the bytes that come next (a cold disk keeps reading
             # while this chunk is decoded)
-            where = {t["key"]: t["storage"] for t in opened(torch.device("cpu")).tensor_info()
-                     if isinstance(t["storage"], int)}
+            ent = opened(torch.device("cpu"))
+            where = {t["key"]: t["storage"] for t in ent.tensor_info() if isinstance(t["storage"], int)}
             reqs.sort(key=lambda kr: (where.get(kr[0], len(where)), kr[0]))
+            # a read item that is a whole stored chunk (no resharding) is decoded straight into
+            # its target, all of them in one pipelined pass; the rest chunk by chunk
+            whole: dict[str, tuple[Any, torch.Tensor]] = {}
+            rest: list[tuple[str, Any, torch.Tensor | None]] = []
             for key, req in reqs:
+                want = self._chunks.get(req.storage_index)
+                if (req.type != LoadItemType.BYTE_IO and want is not None and key not in whole
+                        and not any(req.storage_offsets) and tuple(req.lengths) == tuple(want[0])):
+                    target = planner.resolve_tensor(req).detach()
+                    if target.dtype == want[1] and target.size() == want[0]:
+                        whole[key] = (req, target)
+                    else:
+                        rest.append((key, req, target))
+                else:
+                    rest.append((key, req, None))
+            filled = set(ent.read_into({k: t for k, (_r, t) in whole.items()})) if whole else set()
+            for key, (req, target) in whole.items():
+                if key in filled:
+                    planner.commit_tensor(req, target)
+                else:
+                    rest.append((key, req, target))
+            rest.sort(key=lambda kr: (where.get(kr[0], len(where)), kr[0]))
+            for key, req, target in rest:
                 what = f"{name}:{key}"
                 if req.type == LoadItemType.BYTE_IO:
                     t = fetch(key, torch.device("cpu"))
@@ -879,7 +901,8 @@ class Reader(_PathId, StorageReader):
                     buf = io.BytesIO(raw) if self.allow_pickle else _safe_bytes(raw, what)
                     planner.load_bytes(req, buf)
                     continue
-                target = planner.resolve_tensor(req).detach()
+                if target is None:
+                    target = planner.resolve_tensor(req).detach()
                 src = fetch(key, target.device)
                 want = self._chunks.get(req.storage_index)
                 if want is None:
