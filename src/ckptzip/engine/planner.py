@@ -44,13 +44,6 @@ MIN_TRANSFORMED = 64 << 10  # on the GPU, smaller float storages skip the bytepl
 #: smaller one is taken only when it saves at least MIN_GAIN of the whole storage.
 EXP_CHUNKS = (128 << 10, 64 << 10)
 MIN_GAIN = {128 << 10: 0.0, 64 << 10: 0.004}
-#: the plane below the exponent (the mantissa's top byte) is all but incompressible in large
-#: chunks, yet its distribution varies along a tensor (Adam's m and v: rows and layers of
-#: different magnitudes): ANS in 64 KiB chunks takes it when that saves at least this fraction of
-#: the plane (measured on a trained GPT's m and v: 0.8-1 % of the plane, 0.2-0.25 % of the
-#: storage; trained weights: none, they stay raw)
-MANT_CHUNK = 64 << 10
-MANT_GAIN = 0.004
 #: ANS encoder option for byte planes: fewer sub-chunks per chunk, less per-chunk overhead
 #: (measured on Adam v's exponent plane: 0.316 at 128 KiB vs 0.321 with nvCOMP's default of 8)
 ANS_PLANES = {"max_sub_chunk_count": 4}
@@ -159,9 +152,6 @@ class Planner:
                 if ec < chunk:
                     variants[f"exp{ec}"] = Plan(tf, c, chunk, raw_planes=frozenset(range(top)),
                                                 plane_chunks={top: ec})
-            if top >= 1 and MANT_CHUNK < chunk:
-                variants["mant"] = Plan(tf, c, chunk, raw_planes=frozenset(range(tf.width)) - {top - 1},
-                                        plane_chunks={top - 1: MANT_CHUNK})
         word = _ANS_WORD.get(tf.width)
         if self.auto and c.wire_id == "ans" and word:
             variants["words"] = Plan(None, self.codec({"id": "ans", "data_type": word}), chunk)
@@ -242,11 +232,6 @@ class Planner:
                 if got is not None and got[top] < st[top] - MIN_GAIN[ec] * sample:
                     plan.plane_chunks = {top: ec}
                     st[top] = got[top]
-        got = stored.get((i, "mant"))
-        if got is not None and top - 1 in plan.raw_planes and got[top - 1] < (1 - MANT_GAIN) * per_plane:
-            plan.raw_planes = plan.raw_planes - {top - 1}
-            plan.plane_chunks = {**(plan.plane_chunks or {}), top - 1: MANT_CHUNK}
-            st[top - 1] = got[top - 1]
         planes_bytes = sum(min(x, per_plane) for x in st)
         plan.est = planes_bytes
         if "words" not in var:
