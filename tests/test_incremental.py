@@ -66,6 +66,39 @@ def test_derived_detection_pairs_by_values():
     assert 5 * nsrc not in found  # other_bf16
 
 
+def test_reused_derived_pairs_and_plans_stay_exact(tmp_path):
+    """Saves that reuse plans (async_save, the manager) keep the derived pairs found for the same
+    layout while the sampled elements still match; a copy that drifted, even everywhere but on
+    the sampled elements, still comes back bit-exact (the residual is exact), and a copy that no
+    longer matches is detected again."""
+    from ckptzip.engine import refplan
+    st = mixed_state(seed=5)
+    paths = [tmp_path / f"{i}.ckz" for i in range(4)]
+    ckptzip.async_save(st, paths[0]).wait()
+    assert_same(ckptzip.load(paths[0]), st)
+    assert "derived" in sum(transforms_of(paths[0]), [])
+    nxt = nudge(st, 1)
+    ckptzip.async_save(nxt, paths[1]).wait()
+    assert_same(ckptzip.load(paths[1]), nxt)
+    # drift everywhere except the probed elements: the pair is kept, the data stays exact
+    bf = nxt["model_bf16"]["l0.w"].view(-1)
+    keep = refplan._probe_idx(bf.numel(), bf.device)
+    mask = torch.ones(bf.numel(), dtype=torch.bool)
+    mask[keep] = False
+    bf[mask] = torch.randn(int(mask.sum())).to(torch.bfloat16)
+    ckptzip.async_save(nxt, paths[2]).wait()
+    assert_same(ckptzip.load(paths[2]), nxt)
+    # no longer a cast at all: detected again, exact
+    nxt["model_bf16"]["l1.w"] = torch.randn(64, 64).to(torch.bfloat16)
+    ckptzip.async_save(nxt, paths[3]).wait()
+    assert_same(ckptzip.load(paths[3]), nxt)
+    with ckptzip.open(paths[3]) as r:
+        keys = r.keys()
+        s_of = {t["key"]: t["storage"] for t in r.tensor_info()}
+        tf = [[t["id"] for t in r.storages[s_of[k]].get("transforms", [])] for k in ("model_bf16.l1.w", "model_bf16.l2.w")]
+    assert "derived" not in tf[0] and "derived" in tf[1], (keys, tf)
+
+
 def test_derived_round_trip_with_exceptions(tmp_path):
     st = mixed_state()
     bf = st["model_bf16"]["l1.w"]

@@ -57,7 +57,7 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
     ref_tfs: dict = {}
     if derive and transform == "auto":
         from .engine.refplan import find_derived
-        ref_tfs.update(find_derived(enc.storages))
+        ref_tfs.update(find_derived(enc.storages, reuse=reuse_plan))
     bases = None
     if base is not None:
         from .api import CheckpointReader

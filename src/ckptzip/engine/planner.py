@@ -163,22 +163,25 @@ class Planner:
         same checkpoint layout and options (a training loop saves the same structure again and
         again, with slowly changing statistics), so only the first save of a run pays for
         sampling."""
-        if ref_tfs:  # bound to this state's tensors (format 1.1 references): never cached
+        derived_only = not ref_tfs or all(rt.wire_id == "derived" for rt in ref_tfs.values())
+        if not reuse or not derived_only:  # delta/xor: sampled against this save's base, never cached
             return self._plan_all(refs, window, ref_tfs)
-        if not reuse:
-            return self._plan_all(refs, window)
         key = (repr(sorted(self.cfg.items())), self.transform, self.chunk_size, self.level, self.dev,
                self.portable, self.slow_storage, window,
-               tuple((r.data.numel(), r.elem, r.float_width) for r in refs))
+               tuple((r.data.numel(), r.elem, r.float_width) for r in refs),
+               tuple(sorted((i, rt.storage, rt.to) for i, rt in (ref_tfs or {}).items())))
         cached = _PLAN_CACHE.get(key)
-        if cached is not None:
+        if cached is None:
+            cached = self._plan_all(refs, window, ref_tfs)
+            _PLAN_CACHE[key] = cached
+            while len(_PLAN_CACHE) > 8:
+                _PLAN_CACHE.popitem(last=False)
+        else:
             _PLAN_CACHE.move_to_end(key)
+        if not ref_tfs:
             return cached
-        plans = self._plan_all(refs, window)
-        _PLAN_CACHE[key] = plans
-        while len(_PLAN_CACHE) > 8:
-            _PLAN_CACHE.popitem(last=False)
-        return plans
+        # a cached derived plan is bound to the tensors of the save that made it: bind to these
+        return [refplan.derived_plan(p, ref_tfs[i]) if i in ref_tfs else p for i, p in enumerate(cached)]
 
     def _plan_all(self, refs: list[StorageRef], window: int, ref_tfs: dict | None = None) -> list[Plan]:
         plans, variants = [], []
