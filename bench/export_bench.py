@@ -77,6 +77,35 @@ def nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
+def export_times(state, dev: str, d: str, profile: str | None = None) -> dict:
+    """Export time of the full state without eval (the state on the device): each scheme exported
+    twice in this process; ``first`` includes one-time costs (kernel compilation, caches),
+    ``second`` is a warm call. With ``profile`` (a path), cProfile of a third auto export."""
+    times = {}
+    for s in ("int4-g128", "fp8", "auto"):
+        p = os.path.join(d, "t.ckz")
+        for k in ("first", "second"):
+            if dev.startswith("cuda"):
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            ex.export(state, p, scheme=s, force=True, device=dev, measure=False)
+            if dev.startswith("cuda"):
+                torch.cuda.synchronize()
+            times[f"{s} ({k})" if s != "auto" else f"auto, proxy, bpw 4.5 ({k})"] = time.perf_counter() - t
+    if profile:
+        import cProfile
+        import pstats
+        pr = cProfile.Profile()
+        pr.enable()
+        ex.export(state, os.path.join(d, "t.ckz"), scheme="auto", force=True, device=dev, measure=False)
+        if dev.startswith("cuda"):
+            torch.cuda.synchronize()
+        pr.disable()
+        with open(profile, "w") as f:
+            pstats.Stats(pr, stream=f).sort_stats("cumtime").print_stats(40)
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000)
@@ -97,8 +126,21 @@ def main() -> None:
                     help="alloc.effective model of the single-tensor damages")
     ap.add_argument("--max-evals", type=int, default=16, help="joint evals of the loss-budget correction (default 16, as ckptzip.export)")
     ap.add_argument("--out", default="export_bench.json")
+    ap.add_argument("--time-only", action="store_true", help="only the export times of the full state (no eval, "
+                    "no table; --steps of training, e.g. 20, give the shapes)")
+    ap.add_argument("--profile", default=None, help="with --time-only: write a cProfile of an auto export here")
     args = ap.parse_args()
     dev = args.device
+    if args.time_only:
+        text = gpt.corpus(args.corpus_mb << 20).to(dev)
+        model, opt = train(args, text, dev)
+        state = gpt.checkpoint(model, opt)
+        times = export_times(state, dev, tempfile.mkdtemp(), args.profile)
+        print(json.dumps(times, indent=1))
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if dev.startswith("cuda") else f"cpu ({os.cpu_count()} cores)",
+                       "export_s": times, "steps": args.steps}, f, indent=1)
+        return
 
     text = gpt.corpus(args.corpus_mb << 20)
     split = int(text.numel() * 0.9)  # hold out the last 10 % of the corpus bytes
@@ -154,21 +196,7 @@ def main() -> None:
         run(f"allocation loss <= +{100 * lb:g} %, uncorrected", "auto", max_loss_increase=lb, correct=False, **common)
         run(f"allocation loss <= +{100 * lb:g} %, corrected", "auto", max_loss_increase=lb, **common)
 
-    # export time of the full state, without eval (state on the device, second call timed)
-    times = {}
-    for s in ("int4-g128", "fp8"):
-        p = os.path.join(d, "t.ckz")
-        for _ in range(2):
-            if dev.startswith("cuda"):
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            ex.export(state, p, scheme=s, force=True, device=dev, measure=False)
-            if dev.startswith("cuda"):
-                torch.cuda.synchronize()
-            times[s] = time.perf_counter() - t
-    t = time.perf_counter()
-    ex.export(state, os.path.join(d, "p.ckz"), scheme="auto", force=True, device=dev, measure=False)
-    times["auto (proxy, bpw 4.5)"] = time.perf_counter() - t
+    times = export_times(state, dev, d)
 
     out = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else f"cpu ({os.cpu_count()} cores)",
            "torch": torch.__version__, "args": vars(args), "train_s": train_s, "params": sum(w.numel() for w in weights.values()),

@@ -165,23 +165,26 @@ def _int_params(xg: torch.Tensor, bits: int, sym: bool, ratios: torch.Tensor, co
     s_all = torch.where(s_all == 0, torch.ones_like(s_all), s_all).float()
     z_all = torch.zeros_like(s_all) if sym else torch.round(-mn[None] * rs / s_all).clamp(lo, hi)
     err_all = torch.empty_like(s_all)
-    buf = torch.empty_like(xg)
     negx = -xg
-    for i in range(s_all.shape[0]):
-        s3 = s_all[i][..., None]
-        torch.div(xg, s3, out=buf)
+    # ratios in blocks of up to 2**26 elements: few launches per tensor, bounded temporaries
+    step = max(1, min(s_all.shape[0], (1 << 26) // max(xg.numel(), 1)))
+    for a in range(0, s_all.shape[0], step):
+        b = min(s_all.shape[0], a + step)
+        s3 = s_all[a:b][..., None]
+        buf = torch.div(xg[None], s3)
         buf.round_()
         if sym:
             buf.clamp_(lo, hi)
         else:
-            z3 = z_all[i][..., None]
+            z3 = z_all[a:b][..., None]
             buf.clamp_(lo - z3, hi - z3)  # = clamp(round(x / s) + z, lo, hi) - z
         # (q - z) * s - x, one fused pass: the product (an integer of <= 8 bits times a bf16) is exact
-        torch.addcmul(negx, buf, s3, out=buf)
+        torch.addcmul(negx[None], buf, s3, out=buf)
         buf.square_()
         if mask is not None:
             buf.mul_(mask)
-        torch.sum(buf, -1, out=err_all[i])
+        torch.sum(buf, -1, out=err_all[a:b])
+        del buf
     best = err_all.argmin(0, keepdim=True)  # the first minimum: the earliest ratio wins ties
     best_s = s_all.gather(0, best)[0]
     best_z = z_all.gather(0, best)[0]
@@ -246,11 +249,10 @@ def _quantize(w: torch.Tensor, scheme: str | Scheme, *, search: bool = True, rat
                  "scales": s.to(torch.bfloat16).contiguous(),
                  "zeros": None if sc.sym else z.to(torch.uint8).contiguous()}
         prm = (entry["scales"], entry["zeros"])
-        bits_est = _side_bits(entry, _entropy_bits(codes, 1 << sc.bits))  # = estimate_bits(entry)
+        bits_est = _side_bits(entry, codes, 1 << sc.bits)  # = estimate_bits(entry)
         deq = _dequant_int(codes.float().view(rows, -1, sc.group), entry, dtype=torch.float32)
     ref = w.detach().float()
-    num = (deq - ref).square().sum().item()
-    den = ref.square().sum().item()
+    num, den = torch.stack([(deq - ref).square().sum(), ref.square().sum()]).tolist()  # one host sync
     q["err"] = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else float("inf"))
     return entry, bits_est, prm
 
@@ -312,13 +314,23 @@ def _dequant_int(c: torch.Tensor, entry: dict[str, Any], dtype: torch.dtype) -> 
 
 
 # -- size estimate (order-0 entropy), used to plan before anything is written ---------------
-def _entropy_bits(v: torch.Tensor, nsym: int) -> float:
-    if v.numel() == 0:
-        return 0.0
+def _entropy_t(v: torch.Tensor, nsym: int) -> torch.Tensor:
+    """Order-0 entropy (bits) of ``v`` as a 0-d float64 tensor on its device (no host sync)."""
     v = v.reshape(-1)
     h = torch.bincount(v if v.dtype == torch.uint8 else v.to(torch.int64), minlength=nsym).double()
-    p = h[h > 0] / v.numel()
-    return float(-(p * p.log2()).sum().item()) * v.numel()
+    p = h / v.numel()
+    return -(p * torch.where(h > 0, p, torch.ones_like(p)).log2()).sum() * v.numel()
+
+
+def _entropies(*parts: tuple[torch.Tensor, int]) -> list[float]:
+    """The order-0 entropy bits of each ``(tensor, symbols)`` part, fetched in one host sync."""
+    vals = [_entropy_t(v, k) if v.numel() else None for v, k in parts]
+    got = iter(torch.stack([x for x in vals if x is not None]).tolist() if any(x is not None for x in vals) else [])
+    return [0.0 if x is None else next(got) for x in vals]
+
+
+def _entropy_bits(v: torch.Tensor, nsym: int) -> float:
+    return _entropies((v, nsym))[0]
 
 
 def estimate_bits(entry: dict[str, Any]) -> float:
@@ -327,19 +339,22 @@ def estimate_bits(entry: dict[str, Any]) -> float:
     q = entry["q"]
     if q["kind"] == "bf16":
         b = entry["codes"].reshape(-1).view(torch.uint8).view(-1, 2)
-        return _entropy_bits(b[:, 0], 256) + _entropy_bits(b[:, 1], 256)
+        lo, hi = _entropies((b[:, 0], 256), (b[:, 1], 256))
+        return lo + hi
     if q["kind"] == "fp8":
-        total = _entropy_bits(entry["codes"], 256)
-    else:
-        total = _entropy_bits(unpack_codes(entry), 1 << int(q["bits"]))
-    return _side_bits(entry, total)
+        return _side_bits(entry, entry["codes"], 256)
+    return _side_bits(entry, unpack_codes(entry), 1 << int(q["bits"]))
 
 
-def _side_bits(entry: dict[str, Any], total: float) -> float:
-    """``total`` plus the order-0 entropy bits of the scales (per byte plane) and zeros of an fp8 /
-    intN entry, added in this order (estimate_bits' float sum)."""
+def _side_bits(entry: dict[str, Any], codes: torch.Tensor, nsym: int) -> float:
+    """The order-0 entropy bits of the ``codes`` (``nsym`` symbols) plus those of the scales (per
+    byte plane) and zeros of an fp8 / intN entry, summed in this order; one host sync."""
     sb = entry["scales"].reshape(-1).view(torch.uint8).view(-1, 2)
-    total += _entropy_bits(sb[:, 0], 256) + _entropy_bits(sb[:, 1], 256)
+    parts = [(codes, nsym), (sb[:, 0], 256), (sb[:, 1], 256)]
     if entry["zeros"] is not None:
-        total += _entropy_bits(entry["zeros"], 256)
+        parts.append((entry["zeros"], 256))
+    e = _entropies(*parts)
+    total = e[0] + (e[1] + e[2])
+    if entry["zeros"] is not None:
+        total += e[3]
     return total
