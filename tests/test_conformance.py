@@ -87,7 +87,7 @@ TRANSFORM_EXAMPLES = {
     "derived": [{"id": "derived", "ref": {"storage": 1}, "from": "float32", "to": to}
                 for to in ("bfloat16", "float16")],
 }
-DEVICES = ["cpu", "cuda"]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # the GPU suite (-m gpu) runs the CUDA half
 
 
 def test_every_transform_has_examples():

@@ -204,3 +204,16 @@ def test_async_save_gpu_state(tmp_path, gpu_snapshot_bytes):
     back = ckptzip.load(tmp_path / "b.ckz", map_location="cpu")
     for k, v in before.items():
         assert same_bits(back[k], v), k
+
+
+def test_cast16_cuda_matches_cpu_on_edge_patterns():
+    """The derived prediction on CUDA (torch's cast + NaN fill) equals the CPU bit formula on every
+    high half-word with the low halves that decide rounding (ties, carries into the exponent,
+    overflow to infinity, subnormals, NaN payloads)."""
+    from ckptzip.transforms.refs import cast16
+    hi = torch.arange(1 << 16, dtype=torch.int64)
+    lows = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int64)
+    u = ((hi[:, None] << 16) | lows[None, :]).reshape(-1)
+    src = (u - ((u >> 31) << 32)).to(torch.int32).view(torch.uint8)
+    for to in ("bfloat16", "float16"):
+        assert torch.equal(cast16(src.cuda(), to).cpu(), cast16(src, to)), to

@@ -71,13 +71,9 @@ def cast16(src: torch.Tensor, to: str) -> torch.Tensor:
     if src.device.type == "cpu":
         return torch.from_numpy(_np_cast16(src.numpy(), to))
     f = src.view(torch.float32)
-    if to == "bfloat16":  # int32 arithmetic that cannot overflow
-        u = src.view(torch.int32)
-        hi = (u >> 16) & 0xFFFF
-        r = (hi + (((u & 0xFFFF) + 0x7FFF + (hi & 1)) >> 16)) & 0xFFFF
-        r = (r - ((r >> 15) << 16)).to(torch.int16)  # as a signed 16-bit value, exactly
-    else:
-        r = f.to(torch.float16).view(torch.int16)
+    # torch's casts round to nearest even (c10::BFloat16 computes exactly the bit formula above
+    # for every non-NaN value, overflow to infinity included); NaNs are set to NAN16 here
+    r = f.to(torch.bfloat16 if to == "bfloat16" else torch.float16).view(torch.int16)
     return r.masked_fill_(torch.isnan(f), NAN16[to])
 
 
