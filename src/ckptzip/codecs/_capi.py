@@ -257,15 +257,32 @@ def deferred_checks():
                 _PENDING.items = []
 
 
-def check_decodes() -> None:
+def pending_decodes() -> int:
+    """A mark for :func:`check_decodes`' ``upto``: the count of decode calls this thread has made
+    (checked or not)."""
+    return getattr(_PENDING, "checked", 0) + len(getattr(_PENDING, "items", None) or ())
+
+
+def check_decodes(upto: int | None = None) -> None:
     """Raise :class:`CodecError` if any decode launched by this thread since the last check
-    failed or produced a size other than declared (one device-to-host copy; synchronizes)."""
+    failed or produced a size other than declared (one device-to-host copy; synchronizes).
+    ``upto`` (a :func:`pending_decodes` mark): check only the calls made before the mark, which
+    the caller has already waited for (an event recorded after them); later ones stay pending."""
     pending = getattr(_PENDING, "items", None)
     if not pending:
         return
-    _PENDING.items = []
-    for stream in {x[2].cuda_stream: x[2] for x in pending}.values():
-        stream.synchronize()  # the results were copied into pinned memory on these streams
+    done = getattr(_PENDING, "checked", 0)
+    if upto is not None:
+        k = max(0, upto - done)
+        pending, _PENDING.items = pending[:k], pending[k:]
+        _PENDING.checked = done + len(pending)
+        if not pending:
+            return
+    else:
+        _PENDING.items = []
+        _PENDING.checked = done + len(pending)
+        for stream in {x[2].cuda_stream: x[2] for x in pending}.values():
+            stream.synchronize()  # the results were copied into pinned memory on these streams
     host = [r.numpy() for r, _w, _s in pending]
     ok = all(np.array_equal(h[0], w) and not h[1].view(np.int32)[:len(w)].any()  # n int32 statuses first
              for h, (_r, w, _s) in zip(host, pending))

@@ -92,7 +92,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                 progress: Callable[[int], None] | None = None) -> None:
     """Decode storages. Batches of whole blocks are grouped up to ``window`` bytes (many small
     storages per read and per codec call); a reader thread reads and checksums the next group
-    into one of three pooled buffers while the current one is decoded."""
+    into one of four pooled buffers while the current one is decoded."""
     if not any(job.codec.device == "cuda" for job in jobs):
         window = min(window, CPU_GROUP)  # the reader's next group overlaps this one's decoding
     items = [(job, i, j, a, b) for job in jobs for i, j, a, b in batches(job.rows, job.out.numel(), job.tf, window)]
@@ -110,7 +110,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     gpu = any(job.codec.device == "cuda" for job in jobs)
     q: queue.Queue = queue.Queue(maxsize=2)
     free: queue.Queue = queue.Queue()
-    for slot in range(3):
+    for slot in range(4):  # the caller holds up to two (one in flight on the GPU), the reader reads ahead
         free.put(slot)
     stop = threading.Event()
 
@@ -143,7 +143,19 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
 
 
 def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress) -> None:
-    """Consume what the reader thread queued: decode each group, hand its slot back."""
+    """Consume what the reader thread queued: decode each group, hand its slot back. On the GPU
+    a group's host buffer is handed back once the GPU is done with it, which the loop waits for
+    only after it has queued the next group's work (the host launches group k while the GPU
+    runs group k-1)."""
+    prev = None  # (host buffer, slot, event after its work, decode-check mark) of the group in flight
+
+    def finish(p) -> None:
+        host, slot, ev, mark = p
+        ev.synchronize()  # its copies and decodes are done: the pinned buffer may be reused
+        _capi.check_decodes(upto=mark)
+        PINNED.release(host)
+        free.put(slot)
+
     for grp in grouped:
         slot, host, soffs, rows, err = q.get()
         if err is not None:
@@ -152,12 +164,22 @@ def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress) -> 
         src = host.to(work, non_blocking=True) if work != "cpu" else host
         decode_group(src, soffs, rows, grp, work)
         if work == "cuda":
-            torch.cuda.current_stream().synchronize()  # the pinned buffer may be reused now
-            _capi.check_decodes()
-        PINNED.release(host)  # (after an error it is not reused: the lease just lapses)
-        free.put(slot)
+            ev = torch.cuda.Event()
+            ev.record()
+            cur = (host, slot, ev, _capi.pending_decodes())
+            if prev is not None:
+                finish(prev)
+            prev = cur
+        else:
+            if prev is not None:
+                finish(prev)
+                prev = None
+            PINNED.release(host)  # (after an error it is not reused: the lease just lapses)
+            free.put(slot)
         if progress:
             progress(sum(b - a for _j, _i, _jj, a, b in grp))
+    if prev is not None:
+        finish(prev)
 
 
 def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: list, work: str) -> None:
