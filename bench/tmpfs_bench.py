@@ -101,22 +101,17 @@ class Timers:
 
     def __init__(self) -> None:
         self.t = {"read+checksum (reader thread)": 0.0, "decode (caller)": 0.0}
-        self._read, self._dec = _decode.read_stored, _decode.decode_group
+        _decode.read_stored = self._timed(_decode.read_stored, "read+checksum (reader thread)")
+        _decode.decode_group = self._timed(_decode.decode_group, "decode (caller)")
 
-        def read(*a, **k):
+    def _timed(self, fn, key: str):
+        def run(*a, **k):
             t = time.perf_counter()
             try:
-                return self._read(*a, **k)
+                return fn(*a, **k)
             finally:
-                self.t["read+checksum (reader thread)"] += time.perf_counter() - t
-
-        def dec(*a, **k):
-            t = time.perf_counter()
-            try:
-                return self._dec(*a, **k)
-            finally:
-                self.t["decode (caller)"] += time.perf_counter() - t
-        _decode.read_stored, _decode.decode_group = read, dec
+                self.t[key] += time.perf_counter() - t
+        return run
 
     def reset(self) -> None:
         for k in self.t:
