@@ -86,6 +86,7 @@ TRANSFORM_EXAMPLES = {
     "delta": [{"id": "delta", "ref": {"base": 0, "storage": 2}, "width": w} for w in (2, 4, 8)],
     "derived": [{"id": "derived", "ref": {"storage": 1}, "from": "float32", "to": to}
                 for to in ("bfloat16", "float16")],
+    "expref": [{"id": "expref", "ref": {"storage": s}} for s in (0, 5)],
 }
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # the GPU suite (-m gpu) runs the CUDA half
 

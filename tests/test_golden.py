@@ -18,7 +18,7 @@ GPU_ONLY = ("ans", "bitcomp", "gdeflate", "lz4", "auto_gpu")
 def test_fixtures_present():
     names = {os.path.basename(f) for f in FILES}
     assert {"v1_auto_cpu.ckz", "v1_zstd_cpu.ckz", "v1_raw.ckz", "v1_deflate_cpu.ckz",
-            "v11_base_cpu.ckz", "v11_incr_cpu.ckz"} <= names
+            "v11_base_cpu.ckz", "v11_incr_cpu.ckz", "v12_expref_cpu.ckz", "v12_expref_ans_gpu.ckz"} <= names
 
 
 def test_expected_digests_match_generator():
@@ -60,3 +60,15 @@ def test_v11_pair_uses_the_new_transforms(tmp_path):
     with pytest.raises(ckptzip.BaseCheckpointError, match="v11_base_cpu.ckz"):
         ckptzip.load(tmp_path / "incr.ckz")
     assert_same(ckptzip.load(tmp_path / "incr.ckz", base_dir=HERE), golden_object_next())
+
+
+@pytest.mark.parametrize("name", ["v12_expref_cpu.ckz", "v12_expref_ans_gpu.ckz"])
+def test_v12_files_use_expref(name):
+    """The 1.2 fixtures (written on a CPU with zstd and on a GPU with ANS) store Adam's exp_avg
+    as ``expref`` against exp_avg_sq and say minor version 2 in header and document."""
+    p = os.path.join(HERE, name)
+    assert open(p, "rb").read(12)[8:12] == b"\x01\x00\x02\x00"
+    with ckptzip.open(p) as r:
+        assert r.manifest.doc["version"] == [1, 2]
+        ids = [t["id"] for s in r.storages for t in s.get("transforms", [])]
+        assert ids.count("expref") == 1

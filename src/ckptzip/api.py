@@ -285,11 +285,13 @@ class CheckpointReader:
     def _fill(self, outs: dict[int, torch.Tensor], prog: Callable[[int], None] | None = None,
               made: dict[int, Job] | None = None) -> None:
         """Decode storages ``i`` into the flat uint8 tensors ``outs[i]``, resolving references:
-        storages a ``derived`` one needs are decoded first (into temporaries unless requested),
+        storages a ``derived`` or ``expref`` one refers to are decoded first (into temporaries unless requested),
         level by level; an ``xor`` storage is first filled with its base storage (decoded by the
         base's reader straight into the destination), then its residual is applied in place.
         ``made``: jobs already made for these outputs by :meth:`_job_into` (used, not remade)."""
         need = dict(outs)
+        extra = 0  # bytes of temporaries: referred-to storages nobody asked for
+        asked = sum(self.storages[j]["nbytes"] for j in outs if 0 <= j < len(self.storages))
         jobs: dict[int, Job] = {}
         todo = list(need)
         while todo:
@@ -300,9 +302,11 @@ class CheckpointReader:
             if job is None or job.out is not need[i] or job.ref is not None and job.ref.ref is not None:
                 job = self._job_into(i, need[i])
             jobs[i] = job
-            if job.ref is not None and job.ref.wire_id == "derived":
+            if job.ref is not None and job.ref.local:
                 k = job.ref.storage
                 if k not in need:
+                    extra += self.storages[k]["nbytes"]
+                    self._check_budget(asked + extra, "the requested storages with those they refer to")
                     need[k] = torch.empty(self.storages[k]["nbytes"], dtype=torch.uint8, device=need[i].device)
                 todo.append(k)
         level: dict[int, int] = {}
@@ -310,7 +314,7 @@ class CheckpointReader:
         def lvl(i: int) -> int:  # validate.py refused cycles
             if i not in level:
                 r = jobs[i].ref
-                level[i] = 1 + lvl(r.storage) if r is not None and r.wire_id == "derived" else 0
+                level[i] = 1 + lvl(r.storage) if r is not None and r.local else 0
             return level[i]
         for i in jobs:
             lvl(i)
@@ -335,7 +339,7 @@ class CheckpointReader:
                         j.out.copy_(src)
                     j.ref = j.ref.bind(j.out)  # in place: out holds the base, the residual is applied to it
             for j in batch:
-                if j.ref is not None and j.ref.wire_id == "derived":
+                if j.ref is not None and j.ref.local:
                     j.ref = j.ref.bind(need[j.ref.storage])
             gpu = any(j.codec.device == "cuda" for j in batch)
             decode_jobs(self._fd, batch, gpu_decode_window() if gpu else DEFAULT_WINDOW, prog)

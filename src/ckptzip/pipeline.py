@@ -41,7 +41,8 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
              derive: bool = True) -> SaveJob:
     """Plan a save. ``base`` (a local path): store storages as ``xor`` against the same storage of
     that checkpoint where it pays (``target`` is the new file's path, for the relative record);
-    ``derive``: store 16-bit copies of float32 storages as ``derived`` (format 1.1)."""
+    ``derive``: store 16-bit copies of float32 storages as ``derived`` (format 1.1) and try Adam's
+    first moments as ``expref`` against their second moments (1.2)."""
     if not isinstance(chunk_size, int) or not 64 <= chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk_size must be between 64 and {MAX_CHUNK} bytes")
     if transform not in ("auto", "byteplane", None):
@@ -56,8 +57,9 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
         window = gpu_window() if planner.dev == "cuda" else DEFAULT_WINDOW
     ref_tfs: dict = {}
     if derive and transform == "auto":
-        from .engine.refplan import find_derived
+        from .engine.refplan import find_derived, find_expref
         ref_tfs.update(find_derived(enc.storages, reuse=reuse_plan))
+        ref_tfs.update(find_expref(root, enc.storages, skip=set(ref_tfs)))
     bases = None
     if base is not None:
         from .api import CheckpointReader
@@ -77,8 +79,9 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
     """Encode (or take the ``staged`` snapshot of) every group and write the file atomically."""
     counts = [0] * len(prep.plans)
     with open_for_write(path, fsync=fsync) as f:
-        v11 = bool(prep.bases) or any(p.ref is not None for p in prep.plans)
-        f.write(pack_header(1 if v11 else 0))
+        minor = 2 if any(p.ref is not None and p.ref.wire_id == "expref" for p in prep.plans) else \
+            1 if prep.bases or any(p.ref is not None for p in prep.plans) else 0
+        f.write(pack_header(minor))
         w = ChunkWriter(f, HEADER_SIZE)
         try:
             for gi, grp in enumerate(prep.groups):
@@ -114,7 +117,7 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
                 entries[-1]["choice"] = plan.choice
             first += count
         pos = w.pos
-        doc = {"format": "ckz", "version": [1, 1 if v11 else 0], "created_by": f"ckptzip {__version__}",
+        doc = {"format": "ckz", "version": [1, minor], "created_by": f"ckptzip {__version__}",
                "meta": prep.meta, "n_chunks": len(rows), "storages": entries, "root": prep.root}
         if prep.bases:
             doc["bases"] = prep.bases
@@ -128,8 +131,9 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
         out["base"] = prep.bases[0]["file"]
     refs = [p.ref.wire_id for p in prep.plans if p.ref is not None]
     if refs:
-        out["delta_storages"] = len(refs) - refs.count("derived")  # xor or delta against the base
+        out["delta_storages"] = refs.count("delta") + refs.count("xor")  # against the base
         out["derived_storages"] = refs.count("derived")
+        out["expref_storages"] = refs.count("expref")
     return out
 
 

@@ -29,9 +29,10 @@ DEVICE_RE = re.compile(r"(cpu|cuda(:[0-9]{1,4})?)\Z")
 _INT_RE = re.compile(r"-?[0-9]+\Z")
 _FLOAT_RE = re.compile(r"[0-9a-fA-F]{16}\Z")
 _SHA_RE = re.compile(r"[0-9a-f]{64}\Z")
-#: transform ids that refer to another storage (format 1.1) and those this reader implements
-REF_TRANSFORMS = frozenset({"xor", "delta", "derived"})
-KNOWN_TRANSFORMS = frozenset({"byteplane", "xor", "delta", "derived"})
+#: transform ids that refer to another storage (format 1.1; ``expref`` 1.2) and those this reader
+#: implements
+REF_TRANSFORMS = frozenset({"xor", "delta", "derived", "expref"})
+KNOWN_TRANSFORMS = frozenset({"byteplane", "xor", "delta", "derived", "expref"})
 #: at most this many bases per file (1.1 writers write one) and this many files in a chain
 MAX_BASES = 1
 MAX_CHAIN = 64
@@ -177,7 +178,7 @@ def _storage(i: int, s: Any) -> int:
         if tf["id"] in REF_TRANSFORMS and k != 0:
             raise _bad(f"storage {i}: {tf['id']} may only be the first transform of a chain")
         if len(tfs) == 2 and k == 0 and tf["id"] not in REF_TRANSFORMS and tf["id"] in KNOWN_TRANSFORMS:
-            raise _bad(f"storage {i}: a chain of two starts with a reference transform (xor, derived)")
+            raise _bad(f"storage {i}: a chain of two starts with a reference transform (xor, delta, derived, expref)")
         if tf["id"] in KNOWN_TRANSFORMS:
             from .transforms import get_transform
             t = get_transform(tf)
@@ -208,8 +209,9 @@ def _bases(doc: dict[str, Any]) -> int:
 
 
 def _refs(storages: list, n_bases: int) -> None:
-    """Reference fields of ``xor``/``derived`` (format 1.1): in range, sizes that match, and no
-    cycle among ``derived`` storages (a storage is decoded after the storage it derives from)."""
+    """Reference fields of ``xor``/``delta``/``derived``/``expref``: in range, sizes that match,
+    and no cycle among references within the file (``derived``, ``expref``: a storage is decoded
+    after the storage it refers to)."""
     deps: dict[int, int] = {}
     for i, s in enumerate(storages):
         tfs = s.get("transforms", [])
@@ -223,9 +225,9 @@ def _refs(storages: list, n_bases: int) -> None:
         else:
             k = t.storage
             if k >= len(storages) or k == i:
-                raise _bad(f"storage {i}: derived refers to storage {k}, which does not exist or is itself")
+                raise _bad(f"storage {i}: {t.wire_id} refers to storage {k}, which does not exist or is itself")
             if storages[k]["nbytes"] != t.ref_nbytes(s["nbytes"]):
-                raise _bad(f"storage {i}: derived source {k} has {storages[k]['nbytes']} bytes, "
+                raise _bad(f"storage {i}: {t.wire_id} reference {k} has {storages[k]['nbytes']} bytes, "
                            f"expected {t.ref_nbytes(s['nbytes'])}")
             deps[i] = k
     for i in deps:  # every walk ends within len(deps) steps unless it cycles
@@ -234,7 +236,7 @@ def _refs(storages: list, n_bases: int) -> None:
             j = deps[j]
             steps += 1
             if steps > len(deps):
-                raise _bad(f"storage {i}: derived references form a cycle")
+                raise _bad(f"storage {i}: references within the file (derived, expref) form a cycle")
 
 
 class _Tree:

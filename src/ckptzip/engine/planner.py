@@ -10,6 +10,8 @@ batched codec calls.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from collections import OrderedDict
 
 import numpy as np
@@ -163,13 +165,13 @@ class Planner:
         same checkpoint layout and options (a training loop saves the same structure again and
         again, with slowly changing statistics), so only the first save of a run pays for
         sampling."""
-        derived_only = not ref_tfs or all(rt.wire_id == "derived" for rt in ref_tfs.values())
-        if not reuse or not derived_only:  # delta/xor: sampled against this save's base, never cached
+        local_only = not ref_tfs or all(rt.local for rt in ref_tfs.values())
+        if not reuse or not local_only:  # delta/xor: sampled against this save's base, never cached
             return self._plan_all(refs, window, ref_tfs)
         key = (repr(sorted(self.cfg.items())), self.transform, self.chunk_size, self.level, self.dev,
                self.portable, self.slow_storage, window,
                tuple((r.data.numel(), r.elem, r.float_width) for r in refs),
-               tuple(sorted((i, rt.storage, rt.to) for i, rt in (ref_tfs or {}).items())))
+               tuple(sorted((i, repr(rt.get_config())) for i, rt in (ref_tfs or {}).items())))
         cached = _PLAN_CACHE.get(key)
         if cached is None:
             cached = self._plan_all(refs, window, ref_tfs)
@@ -180,8 +182,10 @@ class Planner:
             _PLAN_CACHE.move_to_end(key)
         if not ref_tfs:
             return cached
-        # a cached derived plan is bound to the tensors of the save that made it: bind to these
-        return [refplan.derived_plan(p, ref_tfs[i]) if i in ref_tfs else p for i, p in enumerate(cached)]
+        # a cached plan with a reference is bound to the tensors of the save that made it: bind
+        # to these (an ``expref`` the sampling rejected stays rejected)
+        return [dataclasses.replace(p, ref=ref_tfs[i]) if i in ref_tfs and p.ref is not None else p
+                for i, p in enumerate(cached)]
 
     def _plan_all(self, refs: list[StorageRef], window: int, ref_tfs: dict | None = None) -> list[Plan]:
         plans, variants = [], []

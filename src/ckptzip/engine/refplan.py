@@ -1,5 +1,6 @@
-"""Reference transforms at save time (format 1.1): which storages are ``derived`` (a cast of another
-storage of the same state) and which are stored as ``delta``/``xor`` against a base checkpoint.
+"""Reference transforms at save time (format 1.1/1.2): which storages are ``derived`` (a cast of
+another storage of the same state), which are ``expref`` candidates (Adam's m predicted from its
+v), and which are stored as ``delta``/``xor`` against a base checkpoint.
 
 * :func:`find_derived` is exact and hash-free: 16-bit storages are matched with float32 storages of
   the same element count by casting a few sampled elements of every candidate (one batched
@@ -13,12 +14,13 @@ storage of the same state) and which are stored as ``delta``/``xor`` against a b
 """
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 
 import torch
 
-from ..transforms.refs import Derived, RefTransform, cast16
-from ..tree import StorageRef
+from ..transforms.refs import Derived, ExpRef, RefTransform, cast16
+from ..tree import StorageRef, tensor_keys
 from .plan import Plan
 
 #: a derived storage may differ from the cast of its source in at most this share of elements
@@ -129,6 +131,34 @@ def find_derived(refs: list[StorageRef], reuse: bool = False) -> dict[int, Deriv
     return found
 
 
+#: a key of Adam's first moment (``....exp_avg``; DCP rank files append ``@offsets``)
+_EXP_AVG = re.compile(r"(.*\.)?exp_avg(@[0-9,]*)?\Z", re.S)
+
+
+def find_expref(root, refs: list[StorageRef], skip: set) -> dict[int, ExpRef]:
+    """Storage index -> bound ``expref`` candidate, for every float32 first moment of Adam
+    (key ``...exp_avg``) whose second moment (the key with ``exp_avg_sq``) is a float32 storage
+    of the same size: the planner samples each and keeps it only where it pays. Pairs are found
+    by key alone (no GPU work); storages in ``skip`` already have a reference."""
+    keys, _ = tensor_keys(root)
+    found: dict[int, ExpRef] = {}
+    for key, node in keys.items():
+        m = _EXP_AVG.match(key)
+        if m is None or node.get("t") != "tensor":
+            continue
+        other = keys.get(f"{m.group(1) or ''}exp_avg_sq{m.group(2) or ''}")
+        if other is None or other.get("t") != "tensor":
+            continue
+        i, k = node.get("s"), other.get("s")
+        if i == k or i in skip or i in found or k in found:
+            continue
+        a, b = refs[i], refs[k]
+        if a.elem == b.elem == "float32" and a.data.numel() == b.data.numel() and a.data.numel() % 4 == 0 \
+                and a.data.numel() and a.data.device == b.data.device:
+            found[i] = ExpRef(k).bind(b.data)
+    return found
+
+
 def derived_plan(plan: Plan, ref: Derived) -> Plan:
     """The plan of a derived storage: its residual (nearly all zero) goes to the codec as bytes."""
     return Plan(None, plan.codec, plan.chunk_size, choice=f"derived from storage {ref.storage} "
@@ -136,11 +166,19 @@ def derived_plan(plan: Plan, ref: Derived) -> Plan:
 
 
 def ref_variant(plan: Plan, variants: dict[str, Plan], ref: RefTransform) -> dict[str, Plan]:
-    """The variants to sample for a storage that has a base storage: the plain plan (when the
-    planner would not sample it otherwise) and the same layout with ``ref`` first."""
+    """The variants to sample for a storage with a reference candidate (a base storage, or the
+    storage ``expref`` predicts from): the plain plan (when the planner would not sample it
+    otherwise), the same layout with ``ref`` first, and, where the planner tries smaller chunks
+    for the exponent plane, the smallest of those with ``ref`` first (``ref_exp``: that plane
+    only)."""
     out = dict(variants) if variants else {"plain": plan}
     like = variants.get("planes", plan) if variants else plan
     out["ref"] = Plan(like.transform, like.codec, like.chunk_size, ref=ref)
+    exp = [v for k, v in (variants or {}).items() if k.startswith("exp")]
+    if exp:
+        e = min(exp, key=lambda v: min(v.plane_chunks.values()))
+        out["ref_exp"] = Plan(e.transform, e.codec, e.chunk_size, raw_planes=e.raw_planes,
+                              plane_chunks=dict(e.plane_chunks), ref=ref)
     return out
 
 
@@ -155,12 +193,17 @@ def choose_ref(plan: Plan, var: dict[str, Plan], stored: dict, i: int, sample: i
     st = stored[(i, "ref")]
     if x.transform is not None:
         per_plane = sample // x.transform.width
-        st = st[: x.transform.width]
+        st = list(st[: x.transform.width])
+        top = x.transform.width - 1
+        got = stored.get((i, "ref_exp"))
+        if got is not None and got[top] < st[top]:  # the exponent plane in smaller chunks
+            x.plane_chunks = dict(var["ref_exp"].plane_chunks)
+            st[top] = got[top]
         x.raw_planes = frozenset(p for p in range(len(st)) if st[p] > raw_plane_ratio * per_plane)
         est = float(sum(min(v, per_plane) for v in st))
     else:
         est = float(sum(st))
-    if est < (1 - REF_MARGIN) * base:
+    if est < (1 - getattr(x.ref, "margin", REF_MARGIN)) * base:
         x.choice = f"{x.ref.wire_id}: sample {est / sample:.3f} vs {base / sample:.3f} without"
         x.est = est
         return x

@@ -100,6 +100,8 @@ class RefTransform(Transform):
     needs_ref = True
     #: reference bytes per storage byte (2 for a float32 -> 16-bit cast)
     factor = 1
+    #: the reference is a storage of the same file (``derived``, ``expref``), not of a base
+    local = False
 
     def __init__(self) -> None:
         self.ref: torch.Tensor | None = None
@@ -168,6 +170,7 @@ class Xor(RefTransform):
 class Derived(RefTransform):
     wire_id = "derived"
     factor = 2
+    local = True
 
     def __init__(self, storage: int, src: str = "float32", to: str = "bfloat16") -> None:
         super().__init__()
@@ -293,3 +296,78 @@ class Delta(RefTransform):
             return
         d = self._fold(src.view(_SINT[self.width]).clone())
         torch.add(ref.view(_SINT[self.width]), d, out=dst.view(_SINT[self.width]))
+
+
+#: the binary32 exponent field shifted right by one (bits 22..29), and the prediction ``f >> 1``
+#: at the same place (bits 22..28: bits 24..30 of the reference word shifted right by two)
+_EXP_HALF, _PRED = 0x3FC00000, 0x1FC00000
+
+
+@register
+class ExpRef(RefTransform):
+    """``expref`` (format 1.2; ``{"id": "expref", "ref": {"storage": k}}``): float32 words whose
+    exponent is predicted from storage ``k`` of the same file, element by element: the exponent
+    field ``e`` (bits 23..30) of each word becomes ``(e - (f >> 1)) mod 256``, ``f`` the exponent
+    field of the reference word; sign and mantissa are kept. Adam's first moment ``m`` against
+    its second moment ``v``: ``|m|`` is of the order of ``sqrt(v)``, so the residual exponents
+    spread less than ``m``'s own (measured on a CPU-trained GPT after 50 steps: 2.77 -> 2.49
+    bits per element in 64K-element order-0 chunks). Arithmetic runs on the field shifted right
+    by one bit, so 32-bit signed integers never overflow."""
+    wire_id = "expref"
+    local = True
+    #: kept where the sampled stored size shrinks by this share (the exponent is one of four bytes)
+    margin = 0.002
+
+    def __init__(self, storage: int) -> None:
+        super().__init__()
+        self.storage = storage
+
+    def get_config(self) -> dict[str, Any]:
+        return {"id": self.wire_id, "ref": {"storage": self.storage}}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "ExpRef":
+        ref = config.get("ref")
+        if set(config) - {"id", "ref"} or not isinstance(ref, dict) or set(ref) - {"storage"}:
+            raise UnknownCodecError(f"expref: unknown options in {str(config)[:200]}")
+        return cls(_int(ref.get("storage"), "expref ref.storage"))
+
+    def accepts(self, nbytes: int) -> bool:
+        return nbytes % 4 == 0
+
+    def _apply(self, src: torch.Tensor, out: torch.Tensor, start: int, sign: int) -> None:
+        """``out`` = ``src`` with its half-shifted exponent field plus ``sign`` x the prediction."""
+        ref = self._slice(start, src.numel())
+        ref = ref if ref.device == out.device else ref.to(out.device)
+        src = src if src.device == out.device else src.to(out.device)
+        if out.device.type == "cpu":
+            x, r, o = (t.numpy().view(np.uint32) for t in (src, ref, out))
+            p = r >> 2
+            p &= _PRED
+            xe = x >> 1
+            xe &= _EXP_HALF
+            np.bitwise_xor(x, xe << 1, out=o)  # o: x without its exponent (o may alias x)
+            if sign > 0:
+                xe += p
+            else:
+                xe -= p
+            xe &= _EXP_HALF
+            xe <<= 1
+            o |= xe
+            return
+        x, r, o = src.view(torch.int32), ref.view(torch.int32), out.view(torch.int32)
+        p = (r >> 2).bitwise_and_(_PRED)
+        xe = (x >> 1).bitwise_and_(_EXP_HALF)
+        torch.bitwise_xor(x, xe << 1, out=o)
+        xe.add_(p, alpha=sign).bitwise_and_(_EXP_HALF).bitwise_left_shift_(1)
+        o.bitwise_or_(xe)
+
+    def encode(self, src: torch.Tensor, out: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
+        out = torch.empty_like(src) if out is None else out
+        if src.numel():
+            self._apply(src, out, start, -1)
+        return out
+
+    def decode(self, src: torch.Tensor, dst: torch.Tensor, start: int = 0) -> None:
+        if src.numel():
+            self._apply(src, dst, start, 1)

@@ -1,0 +1,228 @@
+"""Format 1.2: ``expref`` (Adam's first moment stored with its exponent predicted from the second
+moment): pairing by key, bit-exact round trips (whole loads, single tensors, read_into, async,
+incremental, DCP), the header's minor version, plan reuse, validation of hostile references."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ckptzip
+from ckptzip import format as fmt
+from ckptzip.engine.refplan import find_expref
+from ckptzip.tree import Encoder
+from conftest import assert_same, read_parts, write_parts
+
+
+def adam_state(seed=0, rows=256, cols=256, layers=3):
+    """An AdamW-like state whose gradient scale varies by octaves across rows (as in a trained
+    model), so that the exponent of m follows the exponent of v: expref pays here."""
+    g = torch.Generator().manual_seed(seed)
+    w, state = {}, {}
+    for i in range(layers):
+        w[f"l{i}.weight"] = torch.randn(rows, cols, generator=g) * 0.02
+        scale = torch.exp2(-torch.randint(4, 20, (rows, 1), generator=g).float())
+        grads = torch.randn(8, rows, cols, generator=g) * scale
+        v = (grads ** 2).mean(0)
+        m = grads[:4].mean(0)
+        state[i] = {"step": torch.tensor(10.0), "exp_avg": m, "exp_avg_sq": v}
+    return {"model": w, "optimizer": {"state": state, "param_groups": [{"lr": 1e-3, "params": [0, 1, 2]}]}}
+
+
+def transforms_by_key(path):
+    with ckptzip.open(path) as r:
+        s_of = {t["key"]: t["storage"] for t in r.tensor_info()}
+        return {k: [t["id"] for t in r.storages[i].get("transforms", [])] for k, i in s_of.items()}
+
+
+def test_pairs_found_by_key_only_for_float32_same_size():
+    st_ = adam_state()
+    st_["optimizer"]["state"][1]["exp_avg_sq"] = st_["optimizer"]["state"][1]["exp_avg_sq"].double()
+    st_["optimizer"]["state"][2]["exp_avg"] = st_["optimizer"]["state"][2]["exp_avg"][:10].clone()
+    st_["extra"] = {"exp_avg": torch.ones(4)}  # no exp_avg_sq beside it
+    enc = Encoder()
+    root = enc.encode(st_)
+    found = find_expref(root, enc.storages, skip=set())
+    assert len(found) == 1
+    (i, t), = found.items()
+    assert enc.storages[i].data.data_ptr() == st_["optimizer"]["state"][0]["exp_avg"].data_ptr()
+    assert enc.storages[t.storage].data.data_ptr() == st_["optimizer"]["state"][0]["exp_avg_sq"].data_ptr()
+
+
+def test_dcp_style_keys_pair():
+    m, v = torch.randn(64), torch.rand(64)
+    st_ = {"optim.state.fc.weight.exp_avg@0,0": m, "optim.state.fc.weight.exp_avg_sq@0,0": v,
+           "optim.state.fc.weight.exp_avg@64,0": torch.randn(64)}
+    enc = Encoder()
+    root = enc.encode(st_)
+    found = find_expref(root, enc.storages, skip=set())
+    assert list(found) == [0] and found[0].storage == 1
+
+
+def test_round_trip_minor_version_and_partial_reads(tmp_path):
+    st_ = adam_state()
+    p = tmp_path / "a.ckz"
+    info = ckptzip.save(st_, p)
+    assert info["expref_storages"] >= 2
+    tf = transforms_by_key(p)
+    assert tf["optimizer.state.0.exp_avg"][0] == "expref" and "expref" not in tf["optimizer.state.0.exp_avg_sq"]
+    raw = open(p, "rb").read(16)
+    assert fmt.HEADER.unpack(raw)[1:3] == (1, 2)
+    with ckptzip.open(p) as r:
+        assert r.manifest.doc["version"] == [1, 2]
+        # one tensor alone: its reference is decoded into a temporary
+        assert torch.equal(r.get_tensor("optimizer.state.0.exp_avg"), st_["optimizer"]["state"][0]["exp_avg"])
+    with ckptzip.open(p) as r:
+        out = torch.empty_like(st_["optimizer"]["state"][1]["exp_avg"])
+        assert r.read_into({"optimizer.state.1.exp_avg": out}) == ["optimizer.state.1.exp_avg"]
+        assert torch.equal(out, st_["optimizer"]["state"][1]["exp_avg"])
+    assert_same(ckptzip.load(p), st_)
+    # without expref the same state is larger (the sampling kept it because it pays)
+    q = tmp_path / "b.ckz"
+    plain = ckptzip.save(st_, q, derive=False)
+    assert info["stored_bytes"] < plain["stored_bytes"]
+    assert fmt.HEADER.unpack(open(q, "rb").read(16))[1:3] == (1, 0)
+
+
+def test_not_kept_where_it_does_not_pay(tmp_path):
+    st_ = adam_state()
+    for s in st_["optimizer"]["state"].values():  # v unrelated to m: no gain, no expref
+        s["exp_avg_sq"] = torch.rand(s["exp_avg_sq"].shape) * 3 + 1
+    p = tmp_path / "a.ckz"
+    info = ckptzip.save(st_, p)
+    assert not info.get("expref_storages")
+    assert_same(ckptzip.load(p), st_)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 3000), seed=st.integers(0, 10**6), special=st.booleans())
+def test_any_bits_round_trip(tmp_path_factory, n, seed, special):
+    """NaNs, infinities, subnormals, negative zeros and random bit patterns on both sides."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, generator=g).view(torch.float32)
+    v = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, generator=g).view(torch.float32)
+    if special:
+        vals = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-45, 3e38])
+        m[::3] = vals[torch.randint(0, 6, (len(m[::3]),), generator=g)]
+        v[1::4] = vals[torch.randint(0, 6, (len(v[1::4]),), generator=g)]
+    from ckptzip.engine.plan import Plan
+    from ckptzip.transforms import ExpRef
+    t = ExpRef(1).bind(v.view(torch.uint8))
+    raw = m.view(torch.uint8)
+    out = torch.empty_like(raw)
+    t.decode(t.encode(raw), out)
+    assert torch.equal(out, raw)
+    p = tmp_path_factory.mktemp("h") / "a.ckz"
+    st_ = {"s": {"exp_avg": m, "exp_avg_sq": v}}
+    ckptzip.save(st_, p)
+    back = ckptzip.load(p)
+    assert torch.equal(back["s"]["exp_avg"].view(torch.int32), m.view(torch.int32))
+    assert torch.equal(back["s"]["exp_avg_sq"].view(torch.int32), v.view(torch.int32))
+
+
+def test_async_and_reused_plans_stay_exact(tmp_path):
+    """async_save takes the residual at the call (the caller may change m and v right after);
+    later saves reuse the plan (bound to the new tensors), and stay exact."""
+    st_ = adam_state(seed=3)
+    paths = [tmp_path / f"{i}.ckz" for i in range(3)]
+    want = []
+    for i, p in enumerate(paths):
+        snap = {k: {n: (x.clone() if isinstance(x, torch.Tensor) else x) for n, x in d.items()}
+                for k, d in st_["optimizer"]["state"].items()}
+        h = ckptzip.async_save(st_, p)
+        for s in st_["optimizer"]["state"].values():  # the training step goes on
+            s["exp_avg"].mul_(0.9).add_(0.01)
+            s["exp_avg_sq"].mul_(0.5)
+        h.wait()
+        want.append(snap)
+    for p, snap in zip(paths, want):
+        back = ckptzip.load(p)
+        for k, d in snap.items():
+            for n, x in d.items():
+                assert torch.equal(back["optimizer"]["state"][k][n].view(-1).view(torch.uint8),
+                                   x.view(-1).view(torch.uint8)), (p, k, n)
+    assert "expref" in transforms_by_key(paths[2])["optimizer.state.0.exp_avg"]
+
+
+def test_incremental_v_delta_m_expref(tmp_path):
+    a, b = tmp_path / "a.ckz", tmp_path / "b.ckz"
+    s1 = adam_state(seed=1)
+    ckptzip.save(s1, a)
+    s2 = adam_state(seed=1)
+    for s in s2["optimizer"]["state"].values():
+        s["exp_avg_sq"].mul_(1.0001)
+    ckptzip.save(s2, b, base=a)
+    tf = transforms_by_key(b)
+    assert tf["optimizer.state.0.exp_avg"][0] == "expref"
+    assert tf["optimizer.state.0.exp_avg_sq"][0] in ("delta", "xor")
+    assert_same(ckptzip.load(b), s2)
+    with ckptzip.open(b) as r:
+        assert torch.equal(r.get_tensor("optimizer.state.2.exp_avg"), s2["optimizer"]["state"][2]["exp_avg"])
+
+
+def test_dcp_writer_uses_expref(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from ckptzip import dcp as cdcp
+    st_ = {"optim": {"fc": {"exp_avg": adam_state()["optimizer"]["state"][0]["exp_avg"],
+                            "exp_avg_sq": adam_state()["optimizer"]["state"][0]["exp_avg_sq"]}}}
+    d = tmp_path / "ck"
+    dcp.save(st_, storage_writer=cdcp.Writer(str(d)))
+    files = sorted(p for p in d.iterdir() if p.suffix == ".ckz")
+    ids = [t for f in files for ts in transforms_by_key(f).values() for t in ts]
+    assert "expref" in ids
+    out = {"optim": {"fc": {k: torch.zeros_like(v) for k, v in st_["optim"]["fc"].items()}}}
+    dcp.load(out, storage_reader=cdcp.Reader(str(d)))
+    for k, v in st_["optim"]["fc"].items():
+        assert torch.equal(out["optim"]["fc"][k], v)
+
+
+def _expref_file(tmp_path):
+    p = tmp_path / "e.ckz"
+    ckptzip.save(adam_state(), p)
+    data, doc, rows = read_parts(p)
+    i = next(k for k, s in enumerate(doc["storages"]) if s["transforms"] and s["transforms"][0]["id"] == "expref")
+    return p, data, rows, i
+
+
+@pytest.mark.parametrize("edit,err,exc", [
+    (lambda s, i: s[i]["transforms"][0]["ref"].update(storage=10**6), "does not exist", ckptzip.CorruptFileError),
+    (lambda s, i: s[i]["transforms"][0]["ref"].update(storage=i), "itself", ckptzip.CorruptFileError),
+    (lambda s, i: s[i]["transforms"][0]["ref"].update(storage=0), "bytes, expected", ckptzip.CorruptFileError),
+    (lambda s, i: s[i]["transforms"][0]["ref"].update(storage=True), "non-negative", ckptzip.CorruptFileError),
+    (lambda s, i: s[i]["transforms"][0].update(extra=1), "unknown options", ckptzip.UnknownCodecError),
+    (lambda s, i: s[i]["transforms"].reverse(), "only be the first|starts with", ckptzip.CorruptFileError),
+])
+def test_validation_of_expref(tmp_path, edit, err, exc):
+    p, data, rows, i = _expref_file(tmp_path)
+    _, doc, _ = read_parts(p)
+    if "bytes, expected" in err:  # storage 0 is a weight of the same size in adam_state: use the step
+        i0 = next(k for k, s in enumerate(doc["storages"]) if s["nbytes"] == 4)
+        edit = lambda s, i: s[i]["transforms"][0]["ref"].update(storage=i0)  # noqa: E731
+    edit(doc["storages"], i)
+    q = tmp_path / "bad.ckz"
+    write_parts(q, data, doc, rows)
+    with pytest.raises(exc, match=err):
+        ckptzip.load(q)
+
+
+def test_cycle_of_expref_and_derived_refused(tmp_path):
+    st_ = {"a": torch.zeros(0), "b": torch.zeros(0)}
+    p = tmp_path / "c.ckz"
+    ckptzip.save(st_, p)
+    data, doc, rows = read_parts(p)
+    for i in (0, 1):
+        doc["storages"][i]["transforms"] = [{"id": "expref", "ref": {"storage": 1 - i}}]
+    q = tmp_path / "bad.ckz"
+    write_parts(q, data, doc, rows)
+    with pytest.raises(ckptzip.CorruptFileError, match="cycle"):
+        ckptzip.load(q)
+
+
+def test_reference_temporary_is_within_max_bytes(tmp_path):
+    """Reading m alone decodes v into a temporary: counted against max_bytes."""
+    st_ = adam_state()
+    p = tmp_path / "a.ckz"
+    ckptzip.save(st_, p)
+    n = st_["optimizer"]["state"][0]["exp_avg"].numel() * 4
+    with ckptzip.open(p, max_bytes=n + n // 2) as r:
+        with pytest.raises(ckptzip.ResourceLimitError):
+            r.get_tensor("optimizer.state.0.exp_avg")
