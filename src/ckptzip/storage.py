@@ -93,6 +93,7 @@ def _unlink_quietly(path: str) -> None:
 
 
 _READ_POOL = None
+_READ_POOL_LOCK = threading.Lock()
 _PARALLEL_PIECE = 16 << 20
 #: threads for large local reads (and the reader's checksums): NVMe drives and the page cache
 #: both want several requests in flight
@@ -107,9 +108,19 @@ def read_pool():
     not wait on other work of the pool."""
     global _READ_POOL
     if _READ_POOL is None:
-        from concurrent.futures import ThreadPoolExecutor
-        _READ_POOL = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="ckptzip-read")
+        with _READ_POOL_LOCK:  # two first callers at once must not each start a pool
+            if _READ_POOL is None:
+                from concurrent.futures import ThreadPoolExecutor
+                _READ_POOL = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="ckptzip-read")
     return _READ_POOL
+
+
+def run_all(futs: list) -> list:
+    """The results of ``futs``, after EVERY one has finished: on a failure the first exception
+    is raised only once no other part still writes into a buffer the caller will hand back."""
+    from concurrent.futures import wait
+    wait(futs)
+    return [f.result() for f in futs]
 
 
 def will_need(fd, offset: int, length: int = READAHEAD) -> None:
@@ -128,10 +139,8 @@ def pread_into(fd, buf: memoryview, offset: int) -> None:
         return fd.pread_into(buf, offset)
     n = len(buf)
     if n >= 4 * _PARALLEL_PIECE and READ_THREADS > 1:
-        futs = [read_pool().submit(pread_exact, fd, buf[a:a + _PARALLEL_PIECE], offset + a)
-                for a in range(0, n, _PARALLEL_PIECE)]
-        for f in futs:
-            f.result()
+        run_all([read_pool().submit(pread_exact, fd, buf[a:a + _PARALLEL_PIECE], offset + a)
+                 for a in range(0, n, _PARALLEL_PIECE)])
         return
     pread_exact(fd, buf, offset)
 

@@ -278,6 +278,12 @@ def check_decodes(upto: int | None = None) -> None:
         _PENDING.checked = done + len(pending)
         if not pending:
             return
+        # the caller's event covers the current stream of the current device only: a decode
+        # queued elsewhere (an output on another GPU) is waited for here
+        cur = torch.cuda.current_stream()
+        for stream in {x[2].cuda_stream: x[2] for x in pending}.values():
+            if stream.cuda_stream != cur.cuda_stream or stream.device != cur.device:
+                stream.synchronize()
     else:
         _PENDING.items = []
         _PENDING.checked = done + len(pending)

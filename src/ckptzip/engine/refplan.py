@@ -15,6 +15,7 @@ v), and which are stored as ``delta``/``xor`` against a base checkpoint.
 from __future__ import annotations
 
 import re
+import threading
 from collections import OrderedDict
 
 import torch
@@ -52,6 +53,7 @@ def _mismatches(tgt: torch.Tensor, src: torch.Tensor, to: str) -> torch.Tensor:
 
 #: layout of a state -> the derived pairs found for it: [(target, source, to)] (``reuse``)
 _PAIRS: "OrderedDict[tuple, list[tuple[int, int, str]]]" = OrderedDict()
+_PAIRS_LOCK = threading.Lock()
 
 
 def _layout(refs: list[StorageRef]) -> tuple:
@@ -82,14 +84,18 @@ def find_derived(refs: list[StorageRef], reuse: bool = False) -> dict[int, Deriv
     the residual is exact whatever the copy holds, so a pair that drifted costs size, never data."""
     if reuse:
         key = _layout(refs)
-        pairs = _PAIRS.get(key)
-        if pairs is not None and _probes_hold(refs, pairs):
-            _PAIRS.move_to_end(key)
+        with _PAIRS_LOCK:
+            pairs = _PAIRS.get(key)
+        if pairs and _probes_hold(refs, pairs):  # no pair found before: look again
+            with _PAIRS_LOCK:
+                if key in _PAIRS:
+                    _PAIRS.move_to_end(key)
             return {t: Derived(s, "float32", to).bind(refs[s].data) for t, s, to in pairs}
         found = find_derived(refs)
-        _PAIRS[key] = [(t, d.storage, d.to) for t, d in found.items()]
-        while len(_PAIRS) > 8:
-            _PAIRS.popitem(last=False)
+        with _PAIRS_LOCK:
+            _PAIRS[key] = [(t, d.storage, d.to) for t, d in found.items()]
+            while len(_PAIRS) > 8:
+                _PAIRS.popitem(last=False)
         return found
     targets: dict[tuple, list[int]] = {}
     sources: dict[tuple, list[int]] = {}

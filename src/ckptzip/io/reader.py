@@ -8,7 +8,7 @@ import torch
 from ..engine.memory import ALIGN, PINNED, ceil_align
 from ..errors import ChecksumError
 from ..format import checksum
-from ..storage import READ_THREADS, pread_exact, pread_into, read_pool, will_need
+from ..storage import READ_THREADS, pread_exact, pread_into, read_pool, run_all, will_need
 
 def read_stored(fd: int, batch: np.ndarray, pinned: bool = False) -> tuple[torch.Tensor, list[int]]:
     """Read a batch's stored chunks into one host buffer and verify their checksums. Returns the
@@ -55,7 +55,8 @@ def _read_into(fd, batch: np.ndarray, buf: torch.Tensor, fo: np.ndarray, offs: n
                 for k in range(a, z):
                     pread_exact(fd, memoryview(b[offs[k]:offs[k] + stored[k]]), int(fo[k]))
             return [checksum(memoryview(b[offs[k]:offs[k] + stored[k]])) for k in range(a, z)]
-        sums = [x for got in read_pool().map(part, zip(bounds[:-1], bounds[1:])) for x in got]
+        pool = read_pool()
+        sums = [x for got in run_all([pool.submit(part, ab) for ab in zip(bounds[:-1], bounds[1:])]) for x in got]
     elif one_read:
         pread_into(fd, memoryview(b), int(fo[0]))
         sums = checksums(b, offs, stored)
