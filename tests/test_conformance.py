@@ -5,6 +5,9 @@ every other implementation of its wire id wrote. Transforms: each registered wir
 on CPU (and CUDA where present), keep its config, never touch its input, and write the same bytes
 on every device. A new codec or transform is covered by registering it (and, for a transform,
 adding example configs to TRANSFORM_EXAMPLES)."""
+import base64
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -87,6 +90,11 @@ TRANSFORM_EXAMPLES = {
     "derived": [{"id": "derived", "ref": {"storage": 1}, "from": "float32", "to": to}
                 for to in ("bfloat16", "float16")],
     "expref": [{"id": "expref", "ref": {"storage": s}} for s in (0, 5)],
+    # expgrid fixes the storage size (rows x cols float32 words): random predictions of that shape
+    "expgrid": [{"id": "expgrid", "rows": r, "cols": c,
+                 "r": base64.b64encode(np.random.default_rng(r).integers(0, 65536, r, dtype="<u2").tobytes()).decode(),
+                 "c": base64.b64encode(np.random.default_rng(c).integers(-32768, 32768, c, dtype="<i2").tobytes()).decode()}
+                for r, c in ((1, 1), (3, 5), (64, 33), (7, 1000))],
 }
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # the GPU suite (-m gpu) runs the CUDA half
 
@@ -114,7 +122,8 @@ def test_transform_inverts_and_keeps_input(wire, device, n, k):
     cfgs = TRANSFORM_EXAMPLES[wire]
     t = transforms.get_transform(cfgs[k % len(cfgs)])
     g = torch.Generator().manual_seed(n * 101 + k)
-    raw = torch.randint(0, 256, (n * 8,), dtype=torch.uint8, generator=g)
+    size = getattr(t, "fixed_nbytes", n * 8)  # a transform of one storage size gets that size
+    raw = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
     if getattr(t, "needs_ref", False):
         ref = torch.randint(0, 256, (t.ref_nbytes(raw.numel()),), dtype=torch.uint8, generator=g)
         t = t.bind(ref.to(device))

@@ -122,25 +122,28 @@ def test_any_bits_round_trip(tmp_path_factory, n, seed, special):
 def test_async_and_reused_plans_stay_exact(tmp_path):
     """async_save takes the residual at the call (the caller may change m and v right after);
     later saves reuse the plan (bound to the new tensors), and stay exact."""
-    st_ = adam_state(seed=3)
+    from ckptzip.engine import planner
+    st_ = grid_state(seed=3)
     paths = [tmp_path / f"{i}.ckz" for i in range(3)]
-    want = []
+    want, cached = [], []
     for i, p in enumerate(paths):
         snap = {k: {n: (x.clone() if isinstance(x, torch.Tensor) else x) for n, x in d.items()}
                 for k, d in st_["optimizer"]["state"].items()}
         h = ckptzip.async_save(st_, p)
         for s in st_["optimizer"]["state"].values():  # the training step goes on
-            s["exp_avg"].mul_(0.9).add_(0.01)
-            s["exp_avg_sq"].mul_(0.5)
+            s["exp_avg"].mul_(0.9)
+            s["exp_avg_sq"].mul_(0.81)
         h.wait()
         want.append(snap)
+        cached.append(list(planner._PLAN_CACHE))
     for p, snap in zip(paths, want):
         back = ckptzip.load(p)
         for k, d in snap.items():
             for n, x in d.items():
                 assert torch.equal(back["optimizer"]["state"][k][n].view(-1).view(torch.uint8),
                                    x.view(-1).view(torch.uint8)), (p, k, n)
-    assert "expref" in transforms_by_key(paths[2])["optimizer.state.0.exp_avg"]
+    assert "expgrid" in transforms_by_key(paths[2])["optimizer.state.0.exp_avg_sq"]
+    assert cached[1] == cached[2]  # the third save reused the second's plan (fits differ, layout not)
 
 
 def test_incremental_v_delta_m_expref(tmp_path):
@@ -226,3 +229,102 @@ def test_reference_temporary_is_within_max_bytes(tmp_path):
     with ckptzip.open(p, max_bytes=n + n // 2) as r:
         with pytest.raises(ckptzip.ResourceLimitError):
             r.get_tensor("optimizer.state.0.exp_avg")
+
+
+# -- expgrid: Adam's v, exponent predicted by a row term plus a column term ---------------------
+def grid_state(seed=0, rows=256, cols=384, layers=3):
+    """Adam's v of linear layers: squared gradients whose scale is a row factor times a column
+    factor (as for a linear layer's weight gradient), m as in adam_state."""
+    g = torch.Generator().manual_seed(seed)
+    st_ = adam_state(seed, rows, cols, layers)
+    for s in st_["optimizer"]["state"].values():
+        rs = torch.exp2(-torch.randint(0, 12, (rows, 1), generator=g).float())
+        cs = torch.exp2(-torch.randint(0, 12, (1, cols), generator=g).float())
+        s["exp_avg_sq"] = (torch.randn(rows, cols, generator=g) * rs * cs) ** 2
+    return st_
+
+
+def test_expgrid_used_for_v_and_round_trips(tmp_path):
+    st_ = grid_state()
+    p = tmp_path / "g.ckz"
+    info = ckptzip.save(st_, p)
+    assert info["expgrid_storages"] == 3
+    tf = transforms_by_key(p)
+    assert tf["optimizer.state.0.exp_avg_sq"][0] == "expgrid"
+    assert fmt.HEADER.unpack(open(p, "rb").read(16))[1:3] == (1, 2)
+    assert_same(ckptzip.load(p), st_)
+    with ckptzip.open(p) as r:
+        assert torch.equal(r.get_tensor("optimizer.state.1.exp_avg_sq"), st_["optimizer"]["state"][1]["exp_avg_sq"])
+        assert torch.equal(r.get_tensor("optimizer.state.1.exp_avg"), st_["optimizer"]["state"][1]["exp_avg"])
+    plain = ckptzip.save(st_, tmp_path / "n.ckz", derive=False)
+    assert info["stored_bytes"] < plain["stored_bytes"]
+
+
+def test_expgrid_windows_and_torch_path_match_numpy():
+    """Any window (partial rows at both ends) transforms as the whole storage does; the torch
+    path (used on CUDA) writes the same bytes as the numpy path (CPU)."""
+    from ckptzip.transforms import ExpGrid
+    from ckptzip.transforms import refs
+    v = grid_state(rows=37, cols=53, layers=1)["optimizer"]["state"][0]["exp_avg_sq"]
+    raw = v.reshape(-1).view(torch.uint8)
+    t = ExpGrid.fit(raw, 37, 53)
+    whole = t.encode(raw)
+    for a, b in ((0, 40), (28, 800), (212, 424), (400, raw.numel()), (4 * 53 * 36, raw.numel())):
+        part = t.encode(raw[a:b], start=a)
+        assert torch.equal(part, whole[a:b]), (a, b)
+        out = torch.empty_like(part)
+        t.decode(part, out, start=a)
+        assert torch.equal(out, raw[a:b])
+    r, c = t._pred(torch.device("cpu"), 0, 37)
+    for sign, src, want in ((-1, raw, whole), (1, whole, raw)):
+        got = torch.empty_like(raw)
+        refs._torch_exp_add(src.view(torch.int32).view(37, 53), got.view(torch.int32).view(37, 53),
+                            r[:, None] + c[None, :], sign)
+        assert torch.equal(got, want)
+
+
+def test_expgrid_in_incremental_saves_best_of_delta_and_grid(tmp_path):
+    a, b = tmp_path / "a.ckz", tmp_path / "b.ckz"
+    s1 = grid_state(seed=2)
+    ckptzip.save(s1, a)
+    s2 = grid_state(seed=2)
+    s2["optimizer"]["state"][0]["exp_avg_sq"].mul_(1.0001)  # tiny drift: delta wins
+    s2["optimizer"]["state"][1]["exp_avg_sq"] = grid_state(seed=9)["optimizer"]["state"][1]["exp_avg_sq"]  # new: grid
+    ckptzip.save(s2, b, base=a)
+    tf = transforms_by_key(b)
+    assert tf["optimizer.state.0.exp_avg_sq"][0] == "delta"
+    assert tf["optimizer.state.1.exp_avg_sq"][0] == "expgrid"
+    assert_same(ckptzip.load(b), s2)
+
+
+@pytest.mark.parametrize("edit,err,exc", [
+    (lambda t: t.update(rows=t["rows"] + 1), "fit|values", ckptzip.CorruptFileError),
+    (lambda t: t.update(rows=0), "positive", ckptzip.CorruptFileError),
+    (lambda t: t.update(cols=2.0), "positive", ckptzip.CorruptFileError),
+    (lambda t: t.update(r=t["r"][:-4]), "base64", ckptzip.CorruptFileError),
+    (lambda t: t.update(c="!!!!" + t["c"][4:]), "base64", ckptzip.CorruptFileError),
+    (lambda t: t.update(c=5), "base64", ckptzip.CorruptFileError),
+    (lambda t: t.update(extra=1), "unknown options", ckptzip.UnknownCodecError),
+])
+def test_validation_of_expgrid(tmp_path, edit, err, exc):
+    p = tmp_path / "g.ckz"
+    ckptzip.save(grid_state(layers=1), p)
+    data, doc, rows = read_parts(p)
+    i = next(k for k, s in enumerate(doc["storages"]) if s["transforms"] and s["transforms"][0]["id"] == "expgrid")
+    edit(doc["storages"][i]["transforms"][0])
+    q = tmp_path / "bad.ckz"
+    write_parts(q, data, doc, rows)
+    with pytest.raises(exc, match=err):
+        ckptzip.load(q)
+
+
+def test_expgrid_second_in_chain_refused(tmp_path):
+    p = tmp_path / "g.ckz"
+    ckptzip.save(grid_state(layers=1), p)
+    data, doc, rows = read_parts(p)
+    i = next(k for k, s in enumerate(doc["storages"]) if s["transforms"] and s["transforms"][0]["id"] == "expgrid")
+    doc["storages"][i]["transforms"].reverse()
+    q = tmp_path / "bad.ckz"
+    write_parts(q, data, doc, rows)
+    with pytest.raises(ckptzip.CorruptFileError, match="first|starts with"):
+        ckptzip.load(q)

@@ -9,7 +9,7 @@ import pytest
 
 import ckptzip
 from conftest import assert_same, cuda_ok
-from fixtures.make_fixtures import HERE, digests, golden_object, golden_object_next
+from fixtures.make_fixtures import HERE, digests, golden_grid_object, golden_object, golden_object_next
 
 FILES = sorted(glob.glob(os.path.join(HERE, "*.ckz")))
 GPU_ONLY = ("ans", "bitcomp", "gdeflate", "lz4", "auto_gpu")
@@ -18,7 +18,8 @@ GPU_ONLY = ("ans", "bitcomp", "gdeflate", "lz4", "auto_gpu")
 def test_fixtures_present():
     names = {os.path.basename(f) for f in FILES}
     assert {"v1_auto_cpu.ckz", "v1_zstd_cpu.ckz", "v1_raw.ckz", "v1_deflate_cpu.ckz",
-            "v11_base_cpu.ckz", "v11_incr_cpu.ckz", "v12_expref_cpu.ckz", "v12_expref_ans_gpu.ckz"} <= names
+            "v11_base_cpu.ckz", "v11_incr_cpu.ckz", "v12_expref_cpu.ckz", "v12_expref_ans_gpu.ckz",
+            "v12_expgrid_cpu.ckz"} <= names
 
 
 def test_expected_digests_match_generator():
@@ -35,7 +36,8 @@ def test_golden_file(path):
             ckptzip.load(path, map_location="cpu")
         return
     back = ckptzip.load(path, map_location="cpu")
-    assert_same(back, golden_object_next() if "_incr" in name else golden_object())
+    want = golden_object_next() if "_incr" in name else golden_grid_object() if "_expgrid" in name else golden_object()
+    assert_same(back, want)
     with ckptzip.open(path) as r:
         assert r.metadata["fixture"] == name[:-4]
         r.verify()
@@ -60,6 +62,13 @@ def test_v11_pair_uses_the_new_transforms(tmp_path):
     with pytest.raises(ckptzip.BaseCheckpointError, match="v11_base_cpu.ckz"):
         ckptzip.load(tmp_path / "incr.ckz")
     assert_same(ckptzip.load(tmp_path / "incr.ckz", base_dir=HERE), golden_object_next())
+
+
+def test_v12_grid_file_uses_expgrid():
+    p = os.path.join(HERE, "v12_expgrid_cpu.ckz")
+    with ckptzip.open(p) as r:
+        ids = [[t["id"] for t in s.get("transforms", [])] for s in r.storages]
+        assert ["expgrid", "byteplane"] in ids and ["expref", "byteplane"] in ids
 
 
 @pytest.mark.parametrize("name", ["v12_expref_cpu.ckz", "v12_expref_ans_gpu.ckz"])

@@ -32,7 +32,9 @@ _SHA_RE = re.compile(r"[0-9a-f]{64}\Z")
 #: transform ids that refer to another storage (format 1.1; ``expref`` 1.2) and those this reader
 #: implements
 REF_TRANSFORMS = frozenset({"xor", "delta", "derived", "expref"})
-KNOWN_TRANSFORMS = frozenset({"byteplane", "xor", "delta", "derived", "expref"})
+#: transforms that may only come first in a chain: the reference transforms and ``expgrid`` (1.2)
+FIRST_TRANSFORMS = REF_TRANSFORMS | {"expgrid"}
+KNOWN_TRANSFORMS = frozenset({"byteplane", "xor", "delta", "derived", "expref", "expgrid"})
 #: at most this many bases per file (1.1 writers write one) and this many files in a chain
 MAX_BASES = 1
 MAX_CHAIN = 64
@@ -175,15 +177,16 @@ def _storage(i: int, s: Any) -> int:
     for k, tf in enumerate(tfs):
         if not isinstance(tf, dict) or not isinstance(tf.get("id"), str):
             raise _bad(f"storage {i} transform")
-        if tf["id"] in REF_TRANSFORMS and k != 0:
+        if tf["id"] in FIRST_TRANSFORMS and k != 0:
             raise _bad(f"storage {i}: {tf['id']} may only be the first transform of a chain")
-        if len(tfs) == 2 and k == 0 and tf["id"] not in REF_TRANSFORMS and tf["id"] in KNOWN_TRANSFORMS:
-            raise _bad(f"storage {i}: a chain of two starts with a reference transform (xor, delta, derived, expref)")
+        if len(tfs) == 2 and k == 0 and tf["id"] not in FIRST_TRANSFORMS and tf["id"] in KNOWN_TRANSFORMS:
+            raise _bad(f"storage {i}: a chain of two starts with a reference transform (xor, delta, derived, "
+                       f"expref) or expgrid")
         if tf["id"] in KNOWN_TRANSFORMS:
             from .transforms import get_transform
             t = get_transform(tf)
             if not t.accepts(nb):
-                raise CorruptFileError(f"storage size is not a multiple of its {tf['id']} width")
+                raise CorruptFileError(f"storage size does not fit its {tf['id']} transform (not a multiple of its width, or another size)")
     return nb
 
 

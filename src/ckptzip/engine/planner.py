@@ -163,18 +163,18 @@ class Planner:
         return plan, variants
 
     def plan_all(self, refs: list[StorageRef], window: int, reuse: bool = False,
-                 ref_tfs: dict | None = None) -> list[Plan]:
+                 ref_tfs: dict | None = None, alt_tfs: dict | None = None) -> list[Plan]:
         """Plans for every storage. With ``reuse``, the sampled decisions are remembered for the
         same checkpoint layout and options (a training loop saves the same structure again and
         again, with slowly changing statistics), so only the first save of a run pays for
         sampling."""
-        local_only = not ref_tfs or all(rt.local for rt in ref_tfs.values())
-        if not reuse or not local_only:  # delta/xor: sampled against this save's base, never cached
-            return self._plan_all(refs, window, ref_tfs)
+        local_only = not any(rt.against_base for rt in (ref_tfs or {}).values())
+        if not reuse or not local_only or alt_tfs:  # delta/xor: sampled against this save's base, never cached
+            return self._plan_all(refs, window, ref_tfs, alt_tfs)
         key = (repr(sorted(self.cfg.items())), self.transform, self.chunk_size, self.level, self.dev,
                self.portable, self.slow_storage, window,
                tuple((r.data.numel(), r.elem, r.float_width) for r in refs),
-               tuple(sorted((i, repr(rt.get_config())) for i, rt in (ref_tfs or {}).items())))
+               tuple(sorted((i, rt.layout_key()) for i, rt in (ref_tfs or {}).items())))
         with _PLAN_LOCK:
             cached = _PLAN_CACHE.get(key)
             if cached is not None:
@@ -195,7 +195,8 @@ class Planner:
         return [dataclasses.replace(p, ref=ref_tfs[i]) if i in ref_tfs and p.ref is not None else p
                 for i, p in enumerate(cached)]
 
-    def _plan_all(self, refs: list[StorageRef], window: int, ref_tfs: dict | None = None) -> list[Plan]:
+    def _plan_all(self, refs: list[StorageRef], window: int, ref_tfs: dict | None = None,
+                  alt_tfs: dict | None = None) -> list[Plan]:
         plans, variants = [], []
         for i, ref in enumerate(refs):
             p, v = self.base_plan(ref)
@@ -203,8 +204,10 @@ class Planner:
             if rt is not None and p.codec.wire_id != "raw":  # format 1.1 references (refplan.py)
                 if rt.wire_id == "derived":
                     p, v = refplan.derived_plan(p, rt), {}
+                elif self.dev == "cpu" and not rt.against_base and not v:
+                    p = refplan.cpu_choose(p, ref, rt, CPU_SAMPLE)
                 else:
-                    v = refplan.ref_variant(p, v, rt)
+                    v = refplan.ref_variant(p, v, rt, (alt_tfs or {}).get(i))
             plans.append(p)
             variants.append(v)
         # sample every variant of every storage, all in a few batched codec calls

@@ -18,9 +18,11 @@ import re
 import threading
 from collections import OrderedDict
 
+import numpy as np
+
 import torch
 
-from ..transforms.refs import Derived, ExpRef, RefTransform, cast16
+from ..transforms.refs import Derived, ExpGrid, ExpRef, RefTransform, cast16
 from ..tree import StorageRef, tensor_keys
 from .plan import Plan
 
@@ -165,54 +167,124 @@ def find_expref(root, refs: list[StorageRef], skip: set) -> dict[int, ExpRef]:
     return found
 
 
+#: a key of Adam's second moment (``....exp_avg_sq``, optionally ``@offsets``)
+_EXP_AVG_SQ = re.compile(r"(.*\.)?exp_avg_sq(@[0-9,]*)?\Z", re.S)
+
+
+def find_expgrid(root, refs: list[StorageRef], skip: set) -> dict[int, ExpGrid]:
+    """Storage index -> fitted ``expgrid`` candidate, for every float32 second moment of Adam
+    (key ``...exp_avg_sq``) held by a contiguous tensor of two or more dimensions that covers
+    its whole storage (rows = first dimension). The fit reads the storage once on its device;
+    the planner samples each candidate and keeps it only where it pays."""
+    keys, _ = tensor_keys(root)
+    found: dict[int, tuple] = {}
+    for key, node in keys.items():
+        if _EXP_AVG_SQ.match(key) is None or node.get("t") != "tensor" or node.get("dtype") != "float32":
+            continue
+        i, shape, stride = node.get("s"), node.get("shape"), node.get("stride")
+        if i in skip or i in found or not isinstance(shape, list) or len(shape) < 2:
+            continue
+        numel, want = 1, []
+        for d in reversed(shape):
+            want.append(numel)
+            numel *= d
+        r = refs[i]
+        if (r.elem != "float32" or stride != want[::-1] or node.get("offset", 0) != 0
+                or numel * 4 != r.data.numel() or shape[0] < 2 or numel // shape[0] < 2):
+            continue
+        found[i] = (r.data, shape[0], numel // shape[0])
+    return dict(zip(found, ExpGrid.fit_many(list(found.values())))) if found else {}
+
+
 def derived_plan(plan: Plan, ref: Derived) -> Plan:
     """The plan of a derived storage: its residual (nearly all zero) goes to the codec as bytes."""
     return Plan(None, plan.codec, plan.chunk_size, choice=f"derived from storage {ref.storage} "
                 f"({ref.src} -> {ref.to})", ref=ref)
 
 
-def ref_variant(plan: Plan, variants: dict[str, Plan], ref: RefTransform) -> dict[str, Plan]:
-    """The variants to sample for a storage with a reference candidate (a base storage, or the
-    storage ``expref`` predicts from): the plain plan (when the planner would not sample it
-    otherwise), the same layout with ``ref`` first, and, where the planner tries smaller chunks
-    for the exponent plane, the smallest of those with ``ref`` first (``ref_exp``: that plane
-    only)."""
+def ref_variant(plan: Plan, variants: dict[str, Plan], ref: RefTransform,
+                alt: RefTransform | None = None) -> dict[str, Plan]:
+    """The variants to sample for a storage with a first-transform candidate (a base storage,
+    the storage ``expref`` predicts from, an ``expgrid`` fit) and optionally a second one
+    (``alt``): the plain plan (when the planner would not sample it otherwise), the same layout
+    with the candidate first (``ref``, ``alt``), and, where the planner tries smaller chunks for
+    the exponent plane, the smallest of those with the candidate first (``ref_exp``,
+    ``alt_exp``: that plane only)."""
     out = dict(variants) if variants else {"plain": plan}
     like = variants.get("planes", plan) if variants else plan
-    out["ref"] = Plan(like.transform, like.codec, like.chunk_size, ref=ref)
     exp = [v for k, v in (variants or {}).items() if k.startswith("exp")]
-    if exp:
-        e = min(exp, key=lambda v: min(v.plane_chunks.values()))
-        out["ref_exp"] = Plan(e.transform, e.codec, e.chunk_size, raw_planes=e.raw_planes,
-                              plane_chunks=dict(e.plane_chunks), ref=ref)
+    for name, rt in (("ref", ref), ("alt", alt)):
+        if rt is None:
+            continue
+        out[name] = Plan(like.transform, like.codec, like.chunk_size, ref=rt)
+        if exp:
+            e = min(exp, key=lambda v: min(v.plane_chunks.values()))
+            out[f"{name}_exp"] = Plan(e.transform, e.codec, e.chunk_size, raw_planes=e.raw_planes,
+                                      plane_chunks=dict(e.plane_chunks), ref=rt)
     return out
+
+
+def _ref_est(var: dict[str, Plan], stored: dict, i: int, name: str, sample: int,
+             raw_plane_ratio: float) -> float:
+    """Sampled stored bytes of variant ``name`` (with its smaller exponent chunks where those
+    were smaller); sets the variant's raw planes and plane chunks accordingly."""
+    x = var[name]
+    st = stored[(i, name)]
+    if x.transform is None:
+        return float(sum(st))
+    per_plane = sample // x.transform.width
+    st = list(st[: x.transform.width])
+    top = x.transform.width - 1
+    got = stored.get((i, f"{name}_exp"))
+    if got is not None and got[top] < st[top]:  # the exponent plane in smaller chunks
+        x.plane_chunks = dict(var[f"{name}_exp"].plane_chunks)
+        st[top] = got[top]
+    x.raw_planes = frozenset(p for p in range(len(st)) if st[p] > raw_plane_ratio * per_plane)
+    return float(sum(min(v, per_plane) for v in st))
 
 
 def choose_ref(plan: Plan, var: dict[str, Plan], stored: dict, i: int, sample: int,
                raw_plane_ratio: float) -> Plan:
-    """Keep the reference transform where its sampled stored size beats the plan chosen without it."""
+    """Keep the candidate (of ``ref`` and ``alt``) whose sampled stored size is smallest where it
+    beats the plan chosen without one by its margin."""
     if "plain" in var:
         base = float(sum(stored[(i, "plain")]))
     else:
         base = plan.est if plan.est is not None else float(sample)
-    x = var["ref"]
-    st = stored[(i, "ref")]
-    if x.transform is not None:
-        per_plane = sample // x.transform.width
-        st = list(st[: x.transform.width])
-        top = x.transform.width - 1
-        got = stored.get((i, "ref_exp"))
-        if got is not None and got[top] < st[top]:  # the exponent plane in smaller chunks
-            x.plane_chunks = dict(var["ref_exp"].plane_chunks)
-            st[top] = got[top]
-        x.raw_planes = frozenset(p for p in range(len(st)) if st[p] > raw_plane_ratio * per_plane)
-        est = float(sum(min(v, per_plane) for v in st))
-    else:
-        est = float(sum(st))
+    ests = {n: _ref_est(var, stored, i, n, sample, raw_plane_ratio) for n in ("ref", "alt") if n in var}
+    name = min(ests, key=ests.get)
+    x, est = var[name], ests[name]
+    others = "".join(f", {var[n].ref.wire_id} {e / sample:.3f}" for n, e in ests.items() if n != name)
     if est < (1 - getattr(x.ref, "margin", REF_MARGIN)) * base:
-        x.choice = f"{x.ref.wire_id}: sample {est / sample:.3f} vs {base / sample:.3f} without"
+        x.choice = f"{x.ref.wire_id}: sample {est / sample:.3f} vs {base / sample:.3f} without{others}"
         x.est = est
         return x
     plan.choice = (plan.choice + "; " if plan.choice else "") + \
-        f"no {x.ref.wire_id}: sample {est / sample:.3f} vs {base / sample:.3f}"
+        f"no {x.ref.wire_id}: sample {est / sample:.3f} vs {base / sample:.3f}{others}"
+    return plan
+
+
+def _exp_bits(words: np.ndarray) -> float:
+    """Order-0 entropy (bits per word) of the exponent fields of uint32 ``words``."""
+    c = np.bincount(((words >> 23) & 0xFF).astype(np.uint8), minlength=256)
+    q = c[c > 0] / max(1, len(words))
+    return float(-(q * np.log2(q)).sum())
+
+
+def cpu_choose(plan: Plan, ref: StorageRef, rt: RefTransform, sample: int) -> Plan:
+    """On the CPU, keep an exponent predictor (``expref``, ``expgrid``) where it lowers the
+    order-0 entropy of the exponents of the storage's first ``sample`` bytes by its margin (a
+    share of the storage's 32 bits per word); no codec call (the CPU planner estimates planes the
+    same way)."""
+    n = min(ref.data.numel(), sample) // 4 * 4
+    if n < 4096:
+        return plan
+    x = ref.data[:n]
+    h0 = _exp_bits(x.numpy().view(np.uint32))
+    h1 = _exp_bits(rt.encode(x, start=0).numpy().view(np.uint32))
+    if (h0 - h1) / 32 >= getattr(rt, "margin", REF_MARGIN):
+        return Plan(plan.transform, plan.codec, plan.chunk_size, raw_planes=plan.raw_planes, ref=rt,
+                    choice=f"{rt.wire_id}: exponent {h1:.2f} vs {h0:.2f} bits (sample)")
+    plan.choice = (plan.choice + "; " if plan.choice else "") + \
+        f"no {rt.wire_id}: exponent {h1:.2f} vs {h0:.2f} bits (sample)"
     return plan
