@@ -59,8 +59,10 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
     if derive and transform == "auto":
         from .engine.refplan import find_derived, find_expgrid, find_expref
         ref_tfs.update(find_derived(enc.storages, reuse=reuse_plan))
-        ref_tfs.update(find_expref(root, enc.storages, skip=set(ref_tfs)))
-        grid = find_expgrid(root, enc.storages, skip=set(ref_tfs))
+        from .tree import tensor_keys
+        keys = tensor_keys(root)[0]
+        ref_tfs.update(find_expref(root, enc.storages, skip=set(ref_tfs), keys=keys))
+        grid = find_expgrid(root, enc.storages, skip=set(ref_tfs), keys=keys)
     else:
         grid = {}
     alt: dict = {}

@@ -205,7 +205,7 @@ class Planner:
                 if rt.wire_id == "derived":
                     p, v = refplan.derived_plan(p, rt), {}
                 elif self.dev == "cpu" and not rt.against_base and not v:
-                    p = refplan.cpu_choose(p, ref, rt, CPU_SAMPLE)
+                    p = refplan.cpu_choose(p, ref, rt, refplan.CPU_PREDICT_SAMPLE)
                 else:
                     v = refplan.ref_variant(p, v, rt, (alt_tfs or {}).get(i))
             plans.append(p)

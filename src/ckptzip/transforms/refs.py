@@ -351,18 +351,9 @@ class ExpRef(RefTransform):
         src = src if src.device == out.device else src.to(out.device)
         if out.device.type == "cpu":
             x, r, o = (t.numpy().view(np.uint32) for t in (src, ref, out))
-            p = r >> 2
-            p &= _PRED
-            xe = x >> 1
-            xe &= _EXP_HALF
-            np.bitwise_xor(x, xe << 1, out=o)  # o: x without its exponent (o may alias x)
-            if sign > 0:
-                xe += p
-            else:
-                xe -= p
-            xe &= _EXP_HALF
-            xe <<= 1
-            o |= xe
+            q = r >> 1
+            q &= np.uint32(0x3F800000)  # (f >> 1) << 23
+            _np_exp_add23(x, o, q, sign)
             return
         x, r, o = src.view(torch.int32), ref.view(torch.int32), out.view(torch.int32)
         p = (r >> 2).bitwise_and_(_PRED)
@@ -400,6 +391,9 @@ def _b64_array(s: Any, n: int, dtype, what: str) -> np.ndarray:
 
 #: rows x columns of one expgrid prediction pass (bounds temporaries whatever the tensor's size)
 GRID_BLOCK = 1 << 24
+#: a CPU fit takes each row's mean from at least this many columns and each column's from at
+#: least this many rows (evenly strided)
+FIT_SAMPLES = 256
 
 
 def _torch_exp_add(x: torch.Tensor, o: torch.Tensor, p: torch.Tensor, sign: int) -> None:
@@ -411,23 +405,28 @@ def _torch_exp_add(x: torch.Tensor, o: torch.Tensor, p: torch.Tensor, sign: int)
     o.bitwise_or_(xe)
 
 
+def _np_exp_add23(x: np.ndarray, o: np.ndarray, q: np.ndarray, sign: int) -> None:
+    """``o`` = ``x`` (uint32 words) with ``sign`` x ``q`` (uint32 multiples of 2^23 below 2^31,
+    of ``x``'s shape) added and bit 31 kept: the exponent field plus ``q >> 23`` mod 256 (a
+    multiple of 2^23 leaves the mantissa alone; a carry or borrow out of bit 30 lands in bit 31,
+    which is put back). ``o`` may alias ``x``."""
+    s = x & np.uint32(0x80000000)
+    if sign > 0:
+        np.add(x, q, out=o)
+    else:
+        np.subtract(x, q, out=o)
+    o &= np.uint32(0x7FFFFFFF)
+    o |= s
+
+
 def _np_exp_add(x: np.ndarray, o: np.ndarray, p: np.ndarray, sign: int) -> None:
     """``o`` = ``x`` (uint32 words) with the exponent field plus ``sign`` x ``(p >> 8) & 0xFF``
-    (``p``: int32, broadcast to ``x``'s shape) mod 256; ``o`` may alias ``x``."""
-    q = np.right_shift(p, 8)
+    mod 256 (``p``: int32 of ``x``'s shape, overwritten); ``o`` may alias ``x``."""
+    q = np.right_shift(p, 8, out=p)
     q &= 0xFF
-    q = q.astype(np.uint32)
-    q <<= 22
-    xe = x >> 1
-    xe &= _EXP_HALF
-    np.bitwise_xor(x, xe << 1, out=o)
-    if sign > 0:
-        xe += q
-    else:
-        xe -= q
-    xe &= _EXP_HALF
-    xe <<= 1
-    o |= xe
+    q = q.view(np.uint32)  # 0..255 as int32 and as uint32 are the same bits
+    q <<= 23
+    _np_exp_add23(x, o, q, sign)
 
 
 @register
@@ -493,18 +492,15 @@ class ExpGrid(RefTransform):
         fitted: list = []
         for data, rows, cols in items:
             if data.device.type == "cpu":  # numpy: torch's CPU ops stall on loaded cores
-                u = data.numpy().view(np.uint32)
-                rm = np.empty(rows, dtype=np.float64)
-                cs = np.zeros(cols, dtype=np.float64)
-                step = max(1, GRID_BLOCK // cols)
-                for a in range(0, rows, step):
-                    b = min(rows, a + step)
-                    e = ((u[a * cols:b * cols] >> 23) & 0xFF).reshape(b - a, cols).astype(np.float32)
-                    m = e.mean(1, dtype=np.float64)
-                    rm[a:b] = m
-                    e -= m[:, None].astype(np.float32)
-                    cs += e.sum(0, dtype=np.float64)
-                fitted.append((torch.from_numpy(rm), torch.from_numpy(cs / rows)))
+                # row means from every k-th column, column means from every k-th row (at least
+                # FIT_SAMPLES of each): a quarter of the passes of a full fit, as good a predictor
+                u = data.numpy().view(np.uint32).reshape(rows, cols)
+                e = ((u[:, ::max(1, cols // FIT_SAMPLES)] >> 23) & 0xFF).astype(np.float32)
+                rm = e.mean(1, dtype=np.float64)
+                ks = max(1, rows // FIT_SAMPLES)
+                e = ((u[::ks] >> 23) & 0xFF).astype(np.float32)
+                e -= rm[::ks, None].astype(np.float32)
+                fitted.append((torch.from_numpy(rm), torch.from_numpy(e.mean(0, dtype=np.float64))))
                 continue
             w = data.view(torch.int32)
             rm = torch.empty(rows, dtype=torch.float64, device=data.device)
@@ -551,27 +547,30 @@ class ExpGrid(RefTransform):
         if start % 4 or src.numel() % 4:
             raise ValueError("expgrid works on whole float32 words")
         src = src if src.device == out.device else src.to(out.device)
-        x, o = src.view(torch.int32), out.view(torch.int32)
+        cpu = out.device.type == "cpu"  # numpy there: torch's CPU ops stall on loaded cores
+        if cpu:
+            x, o = src.numpy().view(np.uint32), out.numpy().view(np.uint32)
+            if "np" not in self._dev:
+                self._dev["np"] = (self.r.astype(np.int32), self.c.astype(np.int32))
+            rr, cc = self._dev["np"]
+        else:
+            x, o = src.view(torch.int32), out.view(torch.int32)
         w0, n, L = start // 4, src.numel() // 4, self.cols
         pos = 0
         while pos < n:
             i, j = divmod(w0 + pos, L)
             if j == 0 and n - pos >= L:  # whole rows
                 k = min((n - pos) // L, max(1, GRID_BLOCK // L))
-                seg = slice(pos, pos + k * L)
-                r, c = self._pred(out.device, i, i + k)
-                p = r[:, None] + c[None, :]
-                shape = (k, L)
+                seg, shape, rows, cols = slice(pos, pos + k * L), (k, L), slice(i, i + k), slice(0, L)
             else:  # part of row i
                 m = min(L - j, n - pos)
-                seg = slice(pos, pos + m)
-                r, c = self._pred(out.device, i, i + 1)
-                p = r + c[j:j + m]
-                shape = (m,)
-            if out.device.type == "cpu":  # numpy: torch's CPU ops stall on loaded cores
-                _np_exp_add(x[seg].numpy().view(np.uint32).reshape(shape),
-                            o[seg].numpy().view(np.uint32).reshape(shape), p.numpy(), sign)
+                seg, shape, rows, cols = slice(pos, pos + m), (m,), slice(i, i + 1), slice(j, j + m)
+            if cpu:
+                p = np.add(rr[rows].reshape(-1, 1) if len(shape) == 2 else rr[rows], cc[cols])
+                _np_exp_add(x[seg].reshape(shape), o[seg].reshape(shape), p, sign)
             else:
+                r, c = self._pred(out.device, rows.start, rows.stop)
+                p = r[:, None] + c[None, cols] if len(shape) == 2 else r + c[cols]
                 _torch_exp_add(x[seg].view(shape), o[seg].view(shape), p, sign)
             pos = seg.stop
 
