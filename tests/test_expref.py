@@ -328,3 +328,64 @@ def test_expgrid_second_in_chain_refused(tmp_path):
     write_parts(q, data, doc, rows)
     with pytest.raises(ckptzip.CorruptFileError, match="first|starts with"):
         ckptzip.load(q)
+
+
+def test_long_reference_chain_refused_quickly(tmp_path):
+    """A chain of in-file references (same-size expref storages can chain without growing) is
+    refused at open in linear time, with a named error."""
+    import time
+    st_ = {f"t{i}": torch.zeros(1) for i in range(3000)}
+    p = tmp_path / "a.ckz"
+    ckptzip.save(st_, p, derive=False)
+    data, doc, rows = read_parts(p)
+    for i in range(1, 3000):
+        doc["storages"][i]["transforms"] = [{"id": "expref", "ref": {"storage": i - 1}}]
+    q = tmp_path / "b.ckz"
+    write_parts(q, data, doc, rows)
+    t0 = time.perf_counter()
+    with pytest.raises(ckptzip.CorruptFileError, match="more than 4"):
+        ckptzip.load(q)
+    assert time.perf_counter() - t0 < 5
+
+
+@pytest.mark.parametrize("wire", ["expgrid", "expref"])
+def test_word_transforms_on_unaligned_chunks_and_slices(tmp_path, wire):
+    """Any chunk sizes and storage placement are valid: decode batches end on whole words, and
+    a storage's slice of a group stream that starts off a word boundary is copied first."""
+    import base64
+    import numpy as np
+    R, C = 300, 4096
+    st_ = {"a": torch.zeros(3, dtype=torch.uint8), "v": torch.rand(R, C), "w": torch.rand(R, C)}
+    p = tmp_path / "a.ckz"
+    ckptzip.save(st_, p, derive=False, transform=None, codec="zstd", chunk_size=(1 << 18) - 1)
+    data, doc, rows = read_parts(p)
+    with ckptzip.open(p) as r:
+        idx = {t["key"]: t["storage"] for t in r.tensor_info()}
+    tf = ({"id": "expgrid", "rows": R, "cols": C, "r": base64.b64encode(np.full(R, 300, "<u2").tobytes()).decode(),
+           "c": base64.b64encode(np.zeros(C, "<i2").tobytes()).decode()} if wire == "expgrid"
+          else {"id": "expref", "ref": {"storage": idx["w"]}})
+    doc["storages"][idx["v"]]["transforms"] = [tf]
+    q = tmp_path / "b.ckz"
+    write_parts(q, data, doc, rows)
+    from ckptzip.transforms import get_transform
+    t = get_transform(tf).bind(st_["w"].reshape(-1).view(torch.uint8))
+    want = torch.empty(R * C * 4, dtype=torch.uint8)
+    t.decode(st_["v"].reshape(-1).view(torch.uint8).clone(), want)  # what the stored bytes decode to
+    back = ckptzip.load(q)
+    assert torch.equal(back["v"].reshape(-1).view(torch.uint8), want)
+    assert torch.equal(back["w"], st_["w"]) and torch.equal(back["a"], st_["a"])
+
+
+def test_noncanonical_base64_refused(tmp_path):
+    p = tmp_path / "g.ckz"
+    ckptzip.save(grid_state(rows=33, cols=67, layers=1), p)
+    data, doc, rows = read_parts(p)
+    i = next(k for k, s in enumerate(doc["storages"]) if s["transforms"] and s["transforms"][0]["id"] == "expgrid")
+    c = doc["storages"][i]["transforms"][0]["c"]  # 67 x 2 = 134 bytes: 2 unused bits before "="
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    last = c.rstrip("=")[-1]
+    doc["storages"][i]["transforms"][0]["c"] = c.rstrip("=")[:-1] + alphabet[alphabet.index(last) ^ 1] + "=" * (len(c) - len(c.rstrip("=")))
+    q = tmp_path / "bad.ckz"
+    write_parts(q, data, doc, rows)
+    with pytest.raises(ckptzip.CorruptFileError, match="canonical"):
+        ckptzip.load(q)

@@ -38,6 +38,9 @@ KNOWN_TRANSFORMS = frozenset({"byteplane", "xor", "delta", "derived", "expref", 
 #: at most this many bases per file (1.1 writers write one) and this many files in a chain
 MAX_BASES = 1
 MAX_CHAIN = 64
+#: at most this many references within a file in a row (``derived``/``expref`` of a storage that
+#: refers to another...; ckptzip's writers make chains of one)
+MAX_LOCAL_DEPTH = 4
 NODE_TYPES = frozenset({"int", "float", "bytes", "bytearray", "list", "tuple", "dict", "odict", "size",
                         "dtype", "device", "tensor", "ndarray", "npscalar", "pickle"})
 
@@ -233,13 +236,16 @@ def _refs(storages: list, n_bases: int) -> None:
                 raise _bad(f"storage {i}: {t.wire_id} reference {k} has {storages[k]['nbytes']} bytes, "
                            f"expected {t.ref_nbytes(s['nbytes'])}")
             deps[i] = k
-    for i in deps:  # every walk ends within len(deps) steps unless it cycles
+    for i in deps:  # each walk stops after MAX_LOCAL_DEPTH steps: linear in the storages
         j, steps = i, 0
         while j in deps:
             j = deps[j]
             steps += 1
-            if steps > len(deps):
+            if j == i:
                 raise _bad(f"storage {i}: references within the file (derived, expref) form a cycle")
+            if steps > MAX_LOCAL_DEPTH:
+                raise _bad(f"storage {i}: a chain of more than {MAX_LOCAL_DEPTH} references within the file "
+                           f"(derived, expref), or a cycle")
 
 
 class _Tree:

@@ -281,13 +281,13 @@ def check_decodes(upto: int | None = None) -> None:
         # the caller's event covers the current stream of the current device only: a decode
         # queued elsewhere (an output on another GPU) is waited for here
         cur = torch.cuda.current_stream()
-        for stream in {x[2].cuda_stream: x[2] for x in pending}.values():
+        for stream in {(x[2].device, x[2].cuda_stream): x[2] for x in pending}.values():
             if stream.cuda_stream != cur.cuda_stream or stream.device != cur.device:
                 stream.synchronize()
     else:
         _PENDING.items = []
         _PENDING.checked = done + len(pending)
-        for stream in {x[2].cuda_stream: x[2] for x in pending}.values():
+        for stream in {(x[2].device, x[2].cuda_stream): x[2] for x in pending}.values():
             stream.synchronize()  # the results were copied into pinned memory on these streams
     host = [r.numpy() for r, _w, _s in pending]
     ok = all(np.array_equal(h[0], w) and not h[1].view(np.int32)[:len(w)].any()  # n int32 statuses first

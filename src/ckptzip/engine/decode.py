@@ -2,6 +2,8 @@
 a reader thread while the previous group is decoded straight into the destination tensors."""
 from __future__ import annotations
 
+import math
+
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -57,11 +59,13 @@ def storage_plan_from_manifest(s: dict[str, Any], device: str) -> tuple[Transfor
     return tf, codec
 
 
-def batches(rows: np.ndarray, nbytes: int, tf: Transform | None, window: int
+def batches(rows: np.ndarray, nbytes: int, tf: Transform | None, window: int, word: int = 1
             ) -> Iterator[tuple[int, int, int, int]]:
     """(first row, end row, start byte, end byte) of each decode batch of one storage: a batch
-    ends on a byteplane block boundary once it holds ``window`` bytes (or at the end)."""
-    span = tf.block * tf.width if tf else 1
+    ends on a byteplane block boundary, and on a multiple of ``word`` (the first transform's
+    word: a reference transform is undone word by word), once it holds ``window`` bytes (or at
+    the end)."""
+    span = math.lcm(tf.block * tf.width if tf else 1, word)
     ends = np.cumsum(rows["raw"].astype(np.int64))
     i, n, start = 0, len(rows), 0
     while i < n:
@@ -71,7 +75,7 @@ def batches(rows: np.ndarray, nbytes: int, tf: Transform | None, window: int
             if (ends[j - 1] - start) >= window and ends[j - 1] % span == 0:
                 break
         end = int(ends[j - 1])
-        if tf is not None and end % span and end != nbytes:
+        if tf is not None and end % (tf.block * tf.width) and end != nbytes:
             raise CorruptFileError("chunk boundaries do not align with byteplane blocks")
         yield i, j, start, end
         i, start = j, end
@@ -95,7 +99,8 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     into one of four pooled buffers while the current one is decoded."""
     if not any(job.codec.device == "cuda" for job in jobs):
         window = min(window, CPU_GROUP)  # the reader's next group overlaps this one's decoding
-    items = [(job, i, j, a, b) for job in jobs for i, j, a, b in batches(job.rows, job.out.numel(), job.tf, window)]
+    items = [(job, i, j, a, b) for job in jobs
+             for i, j, a, b in batches(job.rows, job.out.numel(), job.tf, window, job.ref.word if job.ref else 1)]
     grouped: list[list] = []
     size = 0
     for it in items:

@@ -201,6 +201,8 @@ class Planner:
         for i, ref in enumerate(refs):
             p, v = self.base_plan(ref)
             rt = (ref_tfs or {}).get(i)
+            if rt is not None and p.transform is None and p.chunk_size % rt.word:
+                rt = None  # windows of whole chunks would split the transform's words
             if rt is not None and p.codec.wire_id != "raw":  # format 1.1 references (refplan.py)
                 if rt.wire_id == "derived":
                     p, v = refplan.derived_plan(p, rt), {}

@@ -286,8 +286,8 @@ def cpu_choose(plan: Plan, ref: StorageRef, rt: RefTransform, sample: int) -> Pl
     if n < 4096:
         return plan
     x = ref.data[:n]
-    h0 = _exp_bits(x.numpy().view(np.uint32))
-    h1 = _exp_bits(rt.encode(x, start=0).numpy().view(np.uint32))
+    h0 = _exp_bits(x.cpu().numpy().view(np.uint32))
+    h1 = _exp_bits(rt.encode(x, start=0).cpu().numpy().view(np.uint32))
     if (h0 - h1) / 32 >= getattr(rt, "margin", REF_MARGIN):
         return Plan(plan.transform, plan.codec, plan.chunk_size, raw_planes=plan.raw_planes, ref=rt,
                     choice=f"{rt.wire_id}: exponent {h1:.2f} vs {h0:.2f} bits (sample)")

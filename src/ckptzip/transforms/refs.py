@@ -39,6 +39,12 @@ def _int(x: Any, what: str) -> int:
     return x
 
 
+def aligned(t: torch.Tensor, w: int) -> torch.Tensor:
+    """``t`` (flat uint8), or an aligned copy where its start is not ``w``-byte aligned (a slice
+    of a decode group's stream may start anywhere; torch views it as words only when aligned)."""
+    return t if t.data_ptr() % w == 0 else t.clone()
+
+
 def words(t: torch.Tensor) -> torch.Tensor:
     """``t`` (flat uint8) viewed as the widest integer words its size and alignment allow."""
     n, off = t.numel(), t.storage_offset()
@@ -104,6 +110,8 @@ class RefTransform(Transform):
     local = False
     #: the reference is a storage of a base checkpoint (``xor``, ``delta``)
     against_base = False
+    #: bytes per word: a window of the storage must start and end on a multiple of this
+    word = 1
 
     def __init__(self) -> None:
         self.ref: torch.Tensor | None = None
@@ -179,6 +187,7 @@ class Derived(RefTransform):
     wire_id = "derived"
     factor = 2
     local = True
+    word = 2
 
     def __init__(self, storage: int, src: str = "float32", to: str = "bfloat16") -> None:
         super().__init__()
@@ -254,6 +263,10 @@ class Delta(RefTransform):
         return cls(_int(ref.get("base"), "delta ref.base"), _int(ref.get("storage"), "delta ref.storage"),
                    config["width"])
 
+    @property
+    def word(self) -> int:  # type: ignore[override]
+        return self.width
+
     def accepts(self, nbytes: int) -> bool:
         return nbytes % self.width == 0
 
@@ -280,6 +293,7 @@ class Delta(RefTransform):
             self._fold(o)
             return out
         o = out.view(_SINT[self.width])
+        src, ref = aligned(src, self.width), aligned(ref, self.width)
         torch.sub(src.view(_SINT[self.width]), ref.view(_SINT[self.width]), out=o)
         self._fold(o)
         return out
@@ -303,8 +317,8 @@ class Delta(RefTransform):
             d = self._fold(d if scratch or moved else d.copy())
             np.add(ref.numpy().view(u), d, out=dst.numpy().view(u))
             return
-        d = self._fold(src.view(_SINT[self.width]).clone())
-        torch.add(ref.view(_SINT[self.width]), d, out=dst.view(_SINT[self.width]))
+        d = self._fold(aligned(src, self.width).view(_SINT[self.width]).clone())
+        torch.add(aligned(ref, self.width).view(_SINT[self.width]), d, out=dst.view(_SINT[self.width]))
 
 
 #: the binary32 exponent field shifted right by one (bits 22..29), and the prediction ``f >> 1``
@@ -324,6 +338,7 @@ class ExpRef(RefTransform):
     by one bit, so 32-bit signed integers never overflow."""
     wire_id = "expref"
     local = True
+    word = 4
     #: kept where the sampled stored size shrinks by this share (the exponent is one of four bytes)
     margin = 0.002
 
@@ -346,9 +361,11 @@ class ExpRef(RefTransform):
 
     def _apply(self, src: torch.Tensor, out: torch.Tensor, start: int, sign: int) -> None:
         """``out`` = ``src`` with its half-shifted exponent field plus ``sign`` x the prediction."""
-        ref = self._slice(start, src.numel())
+        if start % 4 or src.numel() % 4:
+            raise CorruptFileError("expref: a window must hold whole float32 words")
+        ref = aligned(self._slice(start, src.numel()), 4)
         ref = ref if ref.device == out.device else ref.to(out.device)
-        src = src if src.device == out.device else src.to(out.device)
+        src = aligned(src if src.device == out.device else src.to(out.device), 4)
         if out.device.type == "cpu":
             x, r, o = (t.numpy().view(np.uint32) for t in (src, ref, out))
             q = r >> 1
@@ -384,8 +401,8 @@ def _b64_array(s: Any, n: int, dtype, what: str) -> np.ndarray:
         raw = base64.b64decode(s, validate=True)
     except (binascii.Error, ValueError):
         raise CorruptFileError(f"expgrid: {what} is not base64") from None
-    if len(raw) != size:
-        raise CorruptFileError(f"expgrid: {what} must be base64 of {n} values")
+    if len(raw) != size or base64.b64encode(raw).decode() != s:  # canonical: zero trailing bits
+        raise CorruptFileError(f"expgrid: {what} must be canonical base64 of {n} values")
     return np.frombuffer(raw, dtype=dtype)
 
 
@@ -443,6 +460,7 @@ class ExpGrid(RefTransform):
     reference transform (it needs no other storage) but, like one, only first in a chain."""
     wire_id = "expgrid"
     needs_ref = False
+    word = 4
     margin = 0.002
 
     def __init__(self, rows: int, cols: int, r: np.ndarray, c: np.ndarray) -> None:
@@ -545,8 +563,8 @@ class ExpGrid(RefTransform):
         """``out`` = ``src`` with its half-shifted exponent field plus ``sign`` x the prediction,
         row segment by row segment (a partial first row, whole rows, a partial last row)."""
         if start % 4 or src.numel() % 4:
-            raise ValueError("expgrid works on whole float32 words")
-        src = src if src.device == out.device else src.to(out.device)
+            raise CorruptFileError("expgrid: a window must hold whole float32 words")
+        src = aligned(src if src.device == out.device else src.to(out.device), 4)
         cpu = out.device.type == "cpu"  # numpy there: torch's CPU ops stall on loaded cores
         if cpu:
             x, o = src.numpy().view(np.uint32), out.numpy().view(np.uint32)
