@@ -389,3 +389,24 @@ def test_noncanonical_base64_refused(tmp_path):
     write_parts(q, data, doc, rows)
     with pytest.raises(ckptzip.CorruptFileError, match="canonical"):
         ckptzip.load(q)
+
+
+@pytest.mark.parametrize("wire", ["expref", "expgrid"])
+def test_torch_path_writes_the_numpy_bytes(wire, monkeypatch):
+    """The torch code path (the one CUDA runs) gives the same bytes as the numpy one, for whole
+    storages and windows starting mid-row, both ways."""
+    from ckptzip.transforms import ExpGrid, ExpRef, refs
+    st_ = grid_state(rows=37, cols=53, layers=1)["optimizer"]["state"][0]
+    m, v = (st_[k].reshape(-1).view(torch.uint8) for k in ("exp_avg", "exp_avg_sq"))
+    t = ExpGrid.fit(v, 37, 53) if wire == "expgrid" else ExpRef(1).bind(v)
+    x = v if wire == "expgrid" else m
+    for a, b in ((0, x.numel()), (28, 800), (212, 4 * 53 * 20 + 8)):
+        monkeypatch.setattr(refs, "_TORCH_ON_CPU", False)
+        want = t.encode(x[a:b], start=a)
+        monkeypatch.setattr(refs, "_TORCH_ON_CPU", True)
+        t2 = ExpGrid(t.rows, t.cols, t.r, t.c) if wire == "expgrid" else ExpRef(1).bind(v)
+        got = t2.encode(x[a:b], start=a)
+        assert torch.equal(got, want), (a, b)
+        back = torch.empty_like(got)
+        t2.decode(got, back, start=a)
+        assert torch.equal(back, x[a:b])

@@ -274,7 +274,7 @@ def _exp_bits(words: np.ndarray) -> float:
     """Order-0 entropy (bits per word) of the exponent fields of uint32 ``words``."""
     c = np.bincount((words >> 23).astype(np.uint8), minlength=256)  # the cast keeps bits 23..30
     q = c[c > 0] / max(1, len(words))
-    return float(-(q * np.log2(q)).sum())
+    return float(-(q * np.log2(q)).sum()) + 0.0  # not -0.0
 
 
 def cpu_choose(plan: Plan, ref: StorageRef, rt: RefTransform, sample: int) -> Plan:

@@ -321,6 +321,8 @@ class Delta(RefTransform):
         torch.add(aligned(ref, self.width).view(_SINT[self.width]), d, out=dst.view(_SINT[self.width]))
 
 
+#: tests set this to run the torch (CUDA) code paths of expref/expgrid on CPU tensors
+_TORCH_ON_CPU = False
 #: the binary32 exponent field shifted right by one (bits 22..29), and the prediction ``f >> 1``
 #: at the same place (bits 22..28: bits 24..30 of the reference word shifted right by two)
 _EXP_HALF, _PRED = 0x3FC00000, 0x1FC00000
@@ -366,7 +368,7 @@ class ExpRef(RefTransform):
         ref = aligned(self._slice(start, src.numel()), 4)
         ref = ref if ref.device == out.device else ref.to(out.device)
         src = aligned(src if src.device == out.device else src.to(out.device), 4)
-        if out.device.type == "cpu":
+        if out.device.type == "cpu" and not _TORCH_ON_CPU:
             x, r, o = (t.numpy().view(np.uint32) for t in (src, ref, out))
             q = r >> 1
             q &= np.uint32(0x3F800000)  # (f >> 1) << 23
@@ -565,7 +567,7 @@ class ExpGrid(RefTransform):
         if start % 4 or src.numel() % 4:
             raise CorruptFileError("expgrid: a window must hold whole float32 words")
         src = aligned(src if src.device == out.device else src.to(out.device), 4)
-        cpu = out.device.type == "cpu"  # numpy there: torch's CPU ops stall on loaded cores
+        cpu = out.device.type == "cpu" and not _TORCH_ON_CPU  # numpy: torch's CPU ops stall on loaded cores
         if cpu:
             x, o = src.numpy().view(np.uint32), out.numpy().view(np.uint32)
             if "np" not in self._dev:
