@@ -328,8 +328,27 @@ _TORCH_ON_CPU = False
 _EXP_HALF, _PRED = 0x3FC00000, 0x1FC00000
 
 
+class _ExpPredictor(RefTransform):
+    """A transform that adds ``-1`` (encode) or ``+1`` (decode) x a prediction to the exponent
+    field of float32 words, in windows of whole words (``_apply``)."""
+    word = 4
+
+    def _apply(self, src: torch.Tensor, out: torch.Tensor, start: int, sign: int) -> None:
+        raise NotImplementedError
+
+    def encode(self, src: torch.Tensor, out: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
+        out = torch.empty_like(src) if out is None else out
+        if src.numel():
+            self._apply(src, out, start, -1)
+        return out
+
+    def decode(self, src: torch.Tensor, dst: torch.Tensor, start: int = 0) -> None:
+        if src.numel():
+            self._apply(src, dst, start, 1)
+
+
 @register
-class ExpRef(RefTransform):
+class ExpRef(_ExpPredictor):
     """``expref`` (format 1.2; ``{"id": "expref", "ref": {"storage": k}}``): float32 words whose
     exponent is predicted from storage ``k`` of the same file, element by element: the exponent
     field ``e`` (bits 23..30) of each word becomes ``(e - (f >> 1)) mod 256``, ``f`` the exponent
@@ -340,7 +359,6 @@ class ExpRef(RefTransform):
     by one bit, so 32-bit signed integers never overflow."""
     wire_id = "expref"
     local = True
-    word = 4
     #: kept where the sampled stored size shrinks by this share (the exponent is one of four bytes)
     margin = 0.002
 
@@ -381,15 +399,6 @@ class ExpRef(RefTransform):
         xe.add_(p, alpha=sign).bitwise_and_(_EXP_HALF).bitwise_left_shift_(1)
         o.bitwise_or_(xe)
 
-    def encode(self, src: torch.Tensor, out: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
-        out = torch.empty_like(src) if out is None else out
-        if src.numel():
-            self._apply(src, out, start, -1)
-        return out
-
-    def decode(self, src: torch.Tensor, dst: torch.Tensor, start: int = 0) -> None:
-        if src.numel():
-            self._apply(src, dst, start, 1)
 
 
 def _b64_array(s: Any, n: int, dtype, what: str) -> np.ndarray:
@@ -449,7 +458,7 @@ def _np_exp_add(x: np.ndarray, o: np.ndarray, p: np.ndarray, sign: int) -> None:
 
 
 @register
-class ExpGrid(RefTransform):
+class ExpGrid(_ExpPredictor):
     """``expgrid`` (format 1.2; ``{"id": "expgrid", "rows": R, "cols": C, "r": base64 R x uint16,
     "c": base64 C x int16}``): a float32 storage read as an R x C matrix (row-major), each word's
     exponent field ``e`` replaced by ``(e - p) mod 256`` with the prediction
@@ -462,7 +471,6 @@ class ExpGrid(RefTransform):
     reference transform (it needs no other storage) but, like one, only first in a chain."""
     wire_id = "expgrid"
     needs_ref = False
-    word = 4
     margin = 0.002
 
     def __init__(self, rows: int, cols: int, r: np.ndarray, c: np.ndarray) -> None:
@@ -594,12 +602,3 @@ class ExpGrid(RefTransform):
                 _torch_exp_add(x[seg].view(shape), o[seg].view(shape), p, sign)
             pos = seg.stop
 
-    def encode(self, src: torch.Tensor, out: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
-        out = torch.empty_like(src) if out is None else out
-        if src.numel():
-            self._apply(src, out, start, -1)
-        return out
-
-    def decode(self, src: torch.Tensor, dst: torch.Tensor, start: int = 0) -> None:
-        if src.numel():
-            self._apply(src, dst, start, 1)
