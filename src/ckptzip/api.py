@@ -19,7 +19,7 @@ from .storage import (FileObjectSource, RemoteSource, is_file_object, is_url, lo
                       pread_into)
 from .incremental import chain as _chain
 from .incremental import manifest_sha256, open_base
-from .tree import Decoder, tensor_keys
+from .tree import Decoder, contiguous_stride, tensor_keys
 
 Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
 _VERIFY_BATCH = 256 << 20  # decoded bytes per verify batch
@@ -434,11 +434,7 @@ class CheckpointReader:
             i = self._storage_index(node)
             s = self.storages[i]
             dt, shape, stride, off = meta.tensor_meta(node, s["nbytes"])
-            want, acc = [], 1
-            for d in reversed(shape):
-                want.append(acc)
-                acc *= d
-            if (dt != tgt.dtype or list(tgt.shape) != shape or stride != want[::-1] or off != 0 or i in outs
+            if (dt != tgt.dtype or list(tgt.shape) != shape or stride != contiguous_stride(shape) or off != 0 or i in outs
                     or i in self._cache or not tgt.is_contiguous() or tgt.numel() == 0
                     or tgt.device.type not in ("cpu", "cuda") or s["nbytes"] != tgt.numel() * tgt.element_size()):
                 continue

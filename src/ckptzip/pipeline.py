@@ -90,8 +90,8 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
     """Encode (or take the ``staged`` snapshot of) every group and write the file atomically."""
     counts = [0] * len(prep.plans)
     with open_for_write(path, fsync=fsync) as f:
-        minor = 2 if any(p.ref is not None and p.ref.wire_id in ("expref", "expgrid") for p in prep.plans) else \
-            1 if prep.bases or any(p.ref is not None for p in prep.plans) else 0
+        # the lowest minor the file's features need (docs/format.md): 1 for bases, else its transforms'
+        minor = max([p.ref.minor for p in prep.plans if p.ref is not None] + [1 if prep.bases else 0])
         f.write(pack_header(minor))
         w = ChunkWriter(f, HEADER_SIZE)
         try:

@@ -192,6 +192,15 @@ def _ints(x: Any, what: str, lo: int = 0) -> list[int]:
     return x
 
 
+def contiguous_stride(shape: list[int]) -> list[int]:
+    """The row-major (C-contiguous) strides of ``shape``, in elements."""
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return out[::-1]
+
+
 def view_extent(shape: list[int], stride: list[int], offset: int) -> int:
     """Elements of storage a strided view needs (0 for an empty view)."""
     if any(s == 0 for s in shape):

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..transforms.refs import Derived, ExpGrid, ExpRef, RefTransform, cast16
-from ..tree import StorageRef, tensor_keys
+from ..tree import StorageRef, contiguous_stride, tensor_keys
 from .plan import Plan
 
 #: a derived storage may differ from the cast of its source in at most this share of elements
@@ -185,12 +185,9 @@ def find_expgrid(root, refs: list[StorageRef], skip: set, keys: dict | None = No
         i, shape, stride = node.get("s"), node.get("shape"), node.get("stride")
         if i in skip or i in found or not isinstance(shape, list) or len(shape) < 2:
             continue
-        numel, want = 1, []
-        for d in reversed(shape):
-            want.append(numel)
-            numel *= d
+        numel = int(np.prod(shape, dtype=np.int64))
         r = refs[i]
-        if (r.elem != "float32" or stride != want[::-1] or node.get("offset", 0) != 0
+        if (r.elem != "float32" or stride != contiguous_stride(shape) or node.get("offset", 0) != 0
                 or numel * 4 != r.data.numel() or shape[0] < 2 or numel // shape[0] < 2):
             continue
         found[i] = (r.data, shape[0], numel // shape[0])

@@ -112,6 +112,8 @@ class RefTransform(Transform):
     against_base = False
     #: bytes per word: a window of the storage must start and end on a multiple of this
     word = 1
+    #: the format minor version a file that uses this transform needs
+    minor = 1
 
     def __init__(self) -> None:
         self.ref: torch.Tensor | None = None
@@ -332,6 +334,7 @@ class _ExpPredictor(RefTransform):
     """A transform that adds ``-1`` (encode) or ``+1`` (decode) x a prediction to the exponent
     field of float32 words, in windows of whole words (``_apply``)."""
     word = 4
+    minor = 2
 
     def _apply(self, src: torch.Tensor, out: torch.Tensor, start: int, sign: int) -> None:
         raise NotImplementedError
@@ -393,11 +396,7 @@ class ExpRef(_ExpPredictor):
             _np_exp_add23(x, o, q, sign)
             return
         x, r, o = src.view(torch.int32), ref.view(torch.int32), out.view(torch.int32)
-        p = (r >> 2).bitwise_and_(_PRED)
-        xe = (x >> 1).bitwise_and_(_EXP_HALF)
-        torch.bitwise_xor(x, xe << 1, out=o)
-        xe.add_(p, alpha=sign).bitwise_and_(_EXP_HALF).bitwise_left_shift_(1)
-        o.bitwise_or_(xe)
+        _torch_exp_add22(x, o, (r >> 2).bitwise_and_(_PRED), sign)
 
 
 
@@ -424,13 +423,20 @@ GRID_BLOCK = 1 << 24
 FIT_SAMPLES = 256
 
 
-def _torch_exp_add(x: torch.Tensor, o: torch.Tensor, p: torch.Tensor, sign: int) -> None:
-    """:func:`_np_exp_add` with torch ops (int32 tensors; ``p`` is overwritten)."""
-    p = p.bitwise_right_shift_(8).bitwise_and_(0xFF).bitwise_left_shift_(22)  # at bits 22..29
+def _torch_exp_add22(x: torch.Tensor, o: torch.Tensor, p: torch.Tensor, sign: int) -> None:
+    """``o`` = ``x`` (int32 words) with the exponent field plus ``sign`` x the prediction ``p``
+    (at bits 22..29, the field shifted right by one) mod 256. Torch's int32 arithmetic is signed:
+    working on the half-shifted field keeps every sum and difference inside int32 (numpy's
+    uint32 path, :func:`_np_exp_add23`, adds at bit 23 and puts bit 31 back instead)."""
     xe = (x >> 1).bitwise_and_(_EXP_HALF)
     torch.bitwise_xor(x, xe << 1, out=o)
     xe.add_(p, alpha=sign).bitwise_and_(_EXP_HALF).bitwise_left_shift_(1)
     o.bitwise_or_(xe)
+
+
+def _torch_exp_add(x: torch.Tensor, o: torch.Tensor, p: torch.Tensor, sign: int) -> None:
+    """:func:`_np_exp_add` with torch ops (int32 tensors; ``p`` is overwritten)."""
+    _torch_exp_add22(x, o, p.bitwise_right_shift_(8).bitwise_and_(0xFF).bitwise_left_shift_(22), sign)
 
 
 def _np_exp_add23(x: np.ndarray, o: np.ndarray, q: np.ndarray, sign: int) -> None:
