@@ -19,7 +19,7 @@ def test_fixtures_present():
     names = {os.path.basename(f) for f in FILES}
     assert {"v1_auto_cpu.ckz", "v1_zstd_cpu.ckz", "v1_raw.ckz", "v1_deflate_cpu.ckz",
             "v11_base_cpu.ckz", "v11_incr_cpu.ckz", "v12_expref_cpu.ckz", "v12_expref_ans_gpu.ckz",
-            "v12_expgrid_cpu.ckz"} <= names
+            "v12_expgrid_cpu.ckz", "v12_expgrid_ans_gpu.ckz"} <= names
 
 
 def test_expected_digests_match_generator():
@@ -64,11 +64,16 @@ def test_v11_pair_uses_the_new_transforms(tmp_path):
     assert_same(ckptzip.load(tmp_path / "incr.ckz", base_dir=HERE), golden_object_next())
 
 
-def test_v12_grid_file_uses_expgrid():
-    p = os.path.join(HERE, "v12_expgrid_cpu.ckz")
-    with ckptzip.open(p) as r:
+@pytest.mark.parametrize("name", ["v12_expgrid_cpu.ckz", "v12_expgrid_ans_gpu.ckz"])
+def test_v12_grid_file_uses_expgrid(name):
+    """CPU (zstd on byte planes) and GPU (ANS on whole words, written on an H100) twins of one
+    state: exp_avg_sq stored as ``expgrid``, exp_avg as ``expref`` against it."""
+    with ckptzip.open(os.path.join(HERE, name)) as r:
         ids = [[t["id"] for t in s.get("transforms", [])] for s in r.storages]
-        assert ["expgrid", "byteplane"] in ids and ["expref", "byteplane"] in ids
+        if "_gpu" in name:
+            assert ["expgrid"] in ids and ["expref"] in ids
+        else:
+            assert ["expgrid", "byteplane"] in ids and ["expref", "byteplane"] in ids
 
 
 @pytest.mark.parametrize("name", ["v12_expref_cpu.ckz", "v12_expref_ans_gpu.ckz"])
