@@ -1,5 +1,5 @@
 """Incremental (format 1.1) checkpoints: full vs incremental ratios on a GPT trained here, load
-times, and (on a GPU) compress/decompress throughput of the ``xor`` transform.
+times, and (on a GPU) compress/decompress throughput of the ``delta`` and ``xor`` transforms.
 
     PYTHONPATH=src python bench/incremental_bench.py                       # small CPU GPT (4.9 M params)
     PYTHONPATH=src python bench/incremental_bench.py --device cuda --dims bench --steps1 300 --gap 100
@@ -112,19 +112,24 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def gpu_delta_throughput(cur: torch.Tensor, base: torch.Tensor, reps: int = 10) -> dict:
-    """Compress / decompress GB/s of the planned ``xor`` (+ byteplane + codec) encode and decode of
-    one device-resident tensor against its base, as bench/gpu_throughput.py measures plain ones
-    (decode: the destination already holds the base, as an incremental load leaves it)."""
+def gpu_delta_throughput(cur: torch.Tensor, base: torch.Tensor, reps: int = 10, kind: str = "delta") -> dict:
+    """Compress / decompress GB/s of the planned ``delta`` (what incremental saves use for floats)
+    or ``xor`` (+ byteplane + codec) encode and decode of one device-resident tensor against its
+    base, as bench/gpu_throughput.py measures plain ones (decode: the destination already holds
+    the base, as an incremental load leaves it)."""
     from ckptzip.codecs import _capi
     from ckptzip.engine import Job, Planner, decode_group, encode_group_arrays, gather_gpu, gpu_window, units_of
+    from ckptzip.kernels import triton_kernels
     from ckptzip.transforms import Xor
+    from ckptzip.transforms.refs import Delta
     from ckptzip.tree import StorageRef
+    triton_kernels(wait=True)
     dev = "cuda"
     ref = StorageRef(cur.reshape(-1).view(torch.uint8), str(cur.dtype)[6:], str(cur.device), cur.element_size())
     bref = base.reshape(-1).view(torch.uint8)
     win = gpu_window()
-    plan = Planner("auto", "auto", 1 << 20, None, dev).plan_all([ref], win, ref_tfs={0: Xor(0, 0).bind(bref)})[0]
+    rt = Delta(0, 0, cur.element_size()) if kind == "delta" else Xor(0, 0)
+    plan = Planner("auto", "auto", 1 << 20, None, dev).plan_all([ref], win, ref_tfs={0: rt.bind(bref)})[0]
     units = units_of(0, ref.data, plan, win)
     n = ref.data.numel()
     dst = torch.empty_like(ref.data)
@@ -207,9 +212,11 @@ def main() -> None:
         w2 = torch.cat([v.reshape(-1) for v in s2["model"].values()])
         v1 = torch.cat([s["exp_avg_sq"].reshape(-1) for s in s1["optimizer"]["state"].values()])
         v2 = torch.cat([s["exp_avg_sq"].reshape(-1) for s in s2["optimizer"]["state"].values()])
-        res["gpu_xor_throughput"] = {"fp32 weights": gpu_delta_throughput(w2, w1),
-                                     "bf16 weights": gpu_delta_throughput(w2.bfloat16(), w1.bfloat16()),
-                                     "adam v": gpu_delta_throughput(v2, v1)}
+        res["gpu_delta_throughput"] = {"fp32 weights": gpu_delta_throughput(w2, w1),
+                                       "bf16 weights": gpu_delta_throughput(w2.bfloat16(), w1.bfloat16()),
+                                       "adam v": gpu_delta_throughput(v2, v1)}
+        res["gpu_xor_throughput"] = {"fp32 weights": gpu_delta_throughput(w2, w1, kind="xor"),
+                                     "bf16 weights": gpu_delta_throughput(w2.bfloat16(), w1.bfloat16(), kind="xor")}
     print(json.dumps(res, indent=1))
 
 

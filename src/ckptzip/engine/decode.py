@@ -21,7 +21,7 @@ from ..format import FLAG_STORED_RAW
 from ..io.reader import read_stored
 from ..transforms import RefTransform, Transform, get_transform
 from ..transforms.byteplane import BytePlane, np_decode_onto
-from ..transforms.refs import Delta, Xor
+from ..transforms.refs import Delta, Xor, fused_planes
 from .memory import PINNED, copy_segments
 from .plan import DEFAULT_WINDOW, codec_key
 
@@ -228,7 +228,13 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     for job, i, j, a, b in grp:
         part = stream[pos:pos + (b - a)]
         dst = job.out[a:b]
-        if job.ref is not None:
+        fz = None
+        if job.ref is not None and job.tf is not None and isinstance(job.ref, (Xor, Delta)) and job.ref.ref is not None:
+            refb = job.ref.base_slice(a, b - a)
+            fz = fused_planes(job.tf, job.ref, dst, refb)
+        if fz is not None and fz[0].decode_ref(part, refb, dst, *fz[1:]):
+            pass  # one kernel: planes -> residual -> onto the base (refb may be dst itself)
+        elif job.ref is not None:
             if job.tf is not None:
                 tmp = torch.empty_like(part)
                 job.tf.decode(part, tmp)

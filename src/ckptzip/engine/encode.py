@@ -13,6 +13,7 @@ from ..codecs.cpu import pmap
 from ..format import FLAG_STORED_RAW, ROW
 from ..kernels import triton_kernels
 from ..transforms import Transform
+from ..transforms.refs import Delta, Xor, fused_planes
 from .memory import PINNED, ceil_align, copy_segments
 from .plan import Unit, codec_key
 
@@ -58,15 +59,24 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
     total = sum(ceil_align(u.data.numel()) for u in units)
     # a reference transform (xor/derived, format 1.1) first turns the unit into its residual, on
     # the storage's device (one elementwise op per window)
+    # (on a GPU, ``xor`` / ``delta`` followed by ``byteplane`` is one fused kernel instead)
+    fused: list = [None] * len(units)
+    if dev == "cuda":
+        for k, u in enumerate(units):
+            if u.plan.ref is not None and not u.resolved and u.data.numel() and isinstance(u.plan.ref, (Xor, Delta)) \
+                    and u.plan.ref.ref is not None:
+                refb = u.plan.ref.base_slice(u.start, u.data.numel())
+                fz = fused_planes(u.plan.transform, u.plan.ref, u.data, refb)
+                fused[k] = (fz, refb) if fz is not None else None
     datas = [u.plan.ref.encode(u.data, start=u.start) if u.plan.ref is not None and not u.resolved
-             and u.data.numel() else u.data for u in units]
+             and u.data.numel() and fused[k] is None else u.data for k, u in enumerate(units)]
     single = len(units) == 1 and units[0].plan.transform is None and datas[0].device.type == dev
     stream = datas[0] if single else torch.empty(total, dtype=torch.uint8, device=dev)
     staged = None
     pos = 0
     copies: tuple[list, list] = ([], [])  # plain same-device copies, done in one batched call
     cpu_tf: list = []  # CPU transforms, run by the CPU pool's threads after the loop
-    for u, data in zip(units, datas):
+    for u, data, fz in zip(units, datas, fused):
         n = data.numel()
         u.base = pos
         if not single and n:
@@ -79,6 +89,10 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
                 src = data if data.device.type == dev else data.to(dev)
                 if u.plan.transform is not None and dev == "cpu":
                     cpu_tf.append((u.plan.transform, src, stream[pos:pos + n]))
+                elif fz is not None and fz[0][0].encode_ref(src, fz[1], stream[pos:pos + n], *fz[0][1:]):
+                    pass  # one kernel: residual against the base -> planes
+                elif fz is not None:  # the fused kernel is unavailable: the two steps
+                    u.plan.transform.encode(u.plan.ref.encode(src, start=u.start), out=stream[pos:pos + n])
                 elif u.plan.transform is not None:
                     u.plan.transform.encode(src, out=stream[pos:pos + n])
                 else:

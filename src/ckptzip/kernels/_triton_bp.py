@@ -59,6 +59,74 @@ def decode(src: torch.Tensor, dst: torch.Tensor, width: int, block: int) -> None
         _dec[(triton.cdiv(n, TILE),)](src, d, n, block, W=width, BITS=8 * width, UT=ut, TILE=TILE)
 
 
+@triton.jit
+def _enc_ref(src, ref, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.constexpr, TILE: tl.constexpr,
+             DELTA: tl.constexpr):
+    """``_enc`` of the residual of ``src`` against ``ref``: ``xor``, or ``delta``'s folded difference."""
+    idx = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    mask = idx < n
+    u = tl.load(src + idx, mask=mask).to(UT, bitcast=True)
+    v = tl.load(ref + idx, mask=mask).to(UT, bitcast=True)
+    if DELTA:
+        d = u - v
+        top = d >> (BITS - 1)
+        d = d ^ ((top << (BITS - 1)) - top)  # the low bits inverted where the top bit is set
+    else:
+        d = u ^ v
+    r = (d << 1) | (d >> (BITS - 1))
+    b = idx // block
+    j = idx - b * block
+    m = tl.minimum(block, n - b * block)
+    base = b * block * W + j
+    for k in tl.static_range(W):
+        tl.store(dst + base + k * m, ((r >> (8 * k)) & 0xFF).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _dec_ref(src, ref, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.constexpr, TILE: tl.constexpr,
+             DELTA: tl.constexpr):
+    """``_dec`` followed by undoing ``xor`` / ``delta`` against ``ref`` (which may be ``dst``
+    itself: each word is read before it is written, by the same program)."""
+    idx = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    mask = idx < n
+    b = idx // block
+    j = idx - b * block
+    m = tl.minimum(block, n - b * block)
+    base = b * block * W + j
+    r = tl.zeros([TILE], dtype=UT)
+    for k in tl.static_range(W):
+        byte = tl.load(src + base + k * m, mask=mask).to(UT)
+        r = r | (byte << (8 * k))
+    d = (r >> 1) | (r << (BITS - 1))
+    v = tl.load(ref + idx, mask=mask).to(UT, bitcast=True)
+    if DELTA:
+        top = d >> (BITS - 1)
+        d = d ^ ((top << (BITS - 1)) - top)
+        out = v + d
+    else:
+        out = v ^ d
+    tl.store(dst + idx, out, mask=mask)
+
+
+def encode_ref(src: torch.Tensor, ref: torch.Tensor, out: torch.Tensor, width: int, block: int, delta: bool) -> None:
+    """``byteplane(width, block)`` of ``xor(src, ref)`` (or of ``delta``'s residual when
+    ``delta``) into ``out``, in one pass. All flat uint8 CUDA tensors of one size, word-aligned."""
+    it, ut = _U[width]
+    n = src.numel() // width
+    if n:
+        _enc_ref[(triton.cdiv(n, TILE),)](src.view(it), ref.view(it), out, n, block, W=width, BITS=8 * width,
+                                          UT=ut, TILE=TILE, DELTA=delta)
+
+
+def decode_ref(src: torch.Tensor, ref: torch.Tensor, dst: torch.Tensor, width: int, block: int, delta: bool) -> None:
+    """Inverse of :func:`encode_ref`: ``dst = ref (+|^) residual(planes src)``; ``ref`` may be ``dst``."""
+    it, ut = _U[width]
+    n = src.numel() // width
+    if n:
+        _dec_ref[(triton.cdiv(n, TILE),)](src, ref.view(it), dst.view(it), n, block, W=width, BITS=8 * width,
+                                          UT=ut, TILE=TILE, DELTA=delta)
+
+
 SEG_TILE = 1 << 18
 
 

@@ -26,7 +26,9 @@ import numpy as np
 import torch
 
 from ..errors import CorruptFileError, UnknownCodecError
+from ..kernels import triton_kernels
 from .base import Transform, register
+from .byteplane import BytePlane
 
 CASTS = {("float32", "bfloat16"), ("float32", "float16")}
 #: the NaN a ``derived`` cast predicts (sign and payload of the source are not kept)
@@ -608,3 +610,46 @@ class ExpGrid(_ExpPredictor):
                 _torch_exp_add(x[seg].view(shape), o[seg].view(shape), p, sign)
             pos = seg.stop
 
+
+
+def fused_planes(tf: Transform | None, ref: RefTransform | None, *words: torch.Tensor) -> tuple | None:
+    """``(kernels, width, block, is_delta)`` when ``byteplane`` after a bound ``xor`` / ``delta``
+    runs as one CUDA kernel (:func:`ckptzip.kernels._triton_bp.encode_ref` / ``decode_ref``; same
+    bytes as the two steps): Triton ready, every tensor in ``words`` (read or written as words:
+    the data or destination and the reference slice) on one GPU, word-aligned, whole words."""
+    if not isinstance(tf, BytePlane) or not isinstance(ref, (Xor, Delta)) or ref.ref is None:
+        return None
+    w = tf.width
+    if isinstance(ref, Delta) and ref.width != w:
+        return None
+    if not all(t.is_cuda and t.device == words[0].device and t.data_ptr() % w == 0 and t.numel() % w == 0
+               for t in words) or ref.ref.device != words[0].device:
+        return None
+    k = triton_kernels() if _FUSED_OK else None
+    return (_Fused(k), w, tf.block, isinstance(ref, Delta)) if k is not None else None
+
+
+_FUSED_OK = True  # False once a fused kernel failed to compile: the two steps from then on
+
+
+class _Fused:
+    """The fused kernels; a call that fails before it launches (Triton cannot compile it) returns
+    False and turns them off for the process, and the caller runs the two steps."""
+
+    def __init__(self, k) -> None:
+        self._k = k
+
+    def _run(self, name: str, *args) -> bool:
+        global _FUSED_OK
+        try:
+            getattr(self._k, name)(*args)
+            return True
+        except Exception:  # noqa: BLE001 (compilation errors of several kinds)
+            _FUSED_OK = False
+            return False
+
+    def encode_ref(self, *args) -> bool:
+        return self._run("encode_ref", *args)
+
+    def decode_ref(self, *args) -> bool:
+        return self._run("decode_ref", *args)
