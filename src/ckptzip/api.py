@@ -345,20 +345,10 @@ class CheckpointReader:
             for j in batch:
                 if j.ref is not None and j.ref.local:
                     j.ref = j.ref.bind(need[j.ref.storage])
+            if base_first:  # one pass over both files: each base storage right before its delta
+                batch = [x for j in batch for x in ((base_first[id(j)], j) if id(j) in base_first else (j,))]
             gpu = any(j.codec.device == "cuda" for j in batch)
-            window = gpu_decode_window() if gpu else DEFAULT_WINDOW
-            if base_first:  # one pass over both files, in runs of about a decode group: the base
-                # storages of a run, then the run (whole groups from each file, not one per storage)
-                out, run, size = [], [], 0
-                for j in batch + [None]:
-                    if j is None or (run and size + j.out.numel() > window):
-                        out += [base_first[id(x)] for x in run if id(x) in base_first] + run
-                        run, size = [], 0
-                    if j is not None:
-                        run.append(j)
-                        size += j.out.numel()
-                batch = out
-            decode_jobs(self._fd, batch, window, prog)
+            decode_jobs(self._fd, batch, gpu_decode_window() if gpu else DEFAULT_WINDOW, prog)
 
     def _interleavable(self, first: dict[int, torch.Tensor], xors: list[Job]) -> dict[int, Job]:
         """Base jobs that can be decoded in the delta file's own pass, each just before the
