@@ -322,7 +322,6 @@ class CheckpointReader:
         for L in sorted(set(level.values())):
             batch = [jobs[i] for i in order if level[i] == L]
             xors = [j for j in batch if j.ref is not None and j.ref.wire_id in ("xor", "delta")]
-            base_first: dict[int, Job] = {}  # delta job id -> the base job decoded just before it
             if xors:
                 base = self.base_reader()
                 first: dict[int, torch.Tensor] = {}
@@ -333,39 +332,17 @@ class CheckpointReader:
                             f"base checkpoint {self.bases[0]['file']!r} of {self.path} has no storage {bj} "
                             f"of {j.out.numel()} bytes")
                     first.setdefault(bj, j.out)
-                base_first = base._interleavable(first, xors)
-                if not base_first:
-                    base._fill(first)
-                    for j in xors:
-                        src = first[j.ref.storage]
-                        if src is not j.out:
-                            j.out.copy_(src)
+                base._fill(first)
                 for j in xors:
+                    src = first[j.ref.storage]
+                    if src is not j.out:
+                        j.out.copy_(src)
                     j.ref = j.ref.bind(j.out)  # in place: out holds the base, the residual is applied to it
             for j in batch:
                 if j.ref is not None and j.ref.local:
                     j.ref = j.ref.bind(need[j.ref.storage])
-            if base_first:  # one pass over both files: each base storage right before its delta
-                batch = [x for j in batch for x in ((base_first[id(j)], j) if id(j) in base_first else (j,))]
             gpu = any(j.codec.device == "cuda" for j in batch)
             decode_jobs(self._fd, batch, gpu_decode_window() if gpu else DEFAULT_WINDOW, prog)
-
-    def _interleavable(self, first: dict[int, torch.Tensor], xors: list[Job]) -> dict[int, Job]:
-        """Base jobs that can be decoded in the delta file's own pass, each just before the
-        storage it is the base of, keyed by ``id`` of that delta job: possible when every base
-        storage asked for is self-contained (no reference of its own) and is the base of one
-        delta storage (not a local file; ``{}`` otherwise: the base is decoded first, in full)."""
-        if not isinstance(self._fd, int) or len(first) != len(xors):
-            return {}
-        out: dict[int, Job] = {}
-        for j in xors:
-            bj = j.ref.storage
-            job = self._job_into(bj, j.out)
-            if job.ref is not None:
-                return {}
-            job.fd = self._fd
-            out[id(j)] = job
-        return out
 
     def _mapped(self, i: int, out: torch.Tensor) -> torch.Tensor:
         """torch.load's convention: ``map_location(storage, location)`` gets the storage

@@ -90,9 +90,6 @@ class Job:
     out: torch.Tensor
     #: a bound reference transform undone last (``xor``: ``out`` already holds the base storage)
     ref: RefTransform | None = None
-    #: the file to read it from when not :func:`decode_jobs`'s own (a base checkpoint's storage
-    #: decoded in the same pass as the delta storages applied onto it); not counted as progress
-    fd: Any = None
 
 
 def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
@@ -107,8 +104,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     grouped: list[list] = []
     size = 0
     for it in items:
-        if (grouped and size + (it[4] - it[3]) <= window and it[0].codec.device == grouped[-1][0][0].codec.device
-                and it[0].fd == grouped[-1][0][0].fd):
+        if grouped and size + (it[4] - it[3]) <= window and it[0].codec.device == grouped[-1][0][0].codec.device:
             grouped[-1].append(it)
             size += it[4] - it[3]
         else:
@@ -130,7 +126,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                     return
                 slot = free.get()
                 rows = np.concatenate([job.rows[i:j] for job, i, j, _a, _b in grp])
-                host, soffs = read_stored(fd if grp[0][0].fd is None else grp[0][0].fd, rows, pinned=gpu)
+                host, soffs = read_stored(fd, rows, pinned=gpu)
                 q.put((slot, host, soffs, rows, None))
         except BaseException as e:  # re-raised by the consumer
             q.put((None, None, None, None, e))
@@ -185,7 +181,7 @@ def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress) -> 
                 prev = None
             PINNED.release(host)  # (after an error it is not reused: the lease just lapses)
             free.put(slot)
-        if progress and grp[0][0].fd is None:
+        if progress:
             progress(sum(b - a for _j, _i, _jj, a, b in grp))
     if prev is not None:
         finish(prev)
