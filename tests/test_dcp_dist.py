@@ -107,17 +107,137 @@ def _w_manager(rank, world, d):
         dist.barrier()
 
 
+def _big_full(step):
+    """Global tensors large enough for deltas to pay, changed a little at every step."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(256, 1024, generator=g) * 0.02
+    drift = torch.randn(256, 1024, generator=g) * 1e-5
+    w = w + step * drift
+    return {"w": w, "m": w * 1e-3, "w16": w.to(torch.bfloat16)}
+
+
+def _big_state(world, step):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    return {"t": {k: distribute_tensor(t, mesh, [Shard(0)]) for k, t in _big_full(step).items()}, "step": step}
+
+
+def _check_big(path, step, world):
+    ref = _big_state(world, 0)
+    for t in ref["t"].values():
+        t.to_local().zero_()
+    dcp.load(ref, storage_reader=Reader(path))
+    for k, t in _big_full(step).items():
+        _same(ref["t"][k].full_tensor(), t)
+    assert ref["step"] == step
+
+
+def _w_incremental(rank, world, d):
+    # Writer(base=): dcp.save, then dcp.async_save with one writer whose base changes
+    dcp.save(_big_state(world, 1), storage_writer=Writer(d["inc_a"]))
+    dcp.save(_big_state(world, 2), storage_writer=Writer(d["inc_b"], base=d["inc_a"]))
+    _check_big(d["inc_b"], 2, world)
+    w = Writer(d["inc_c"])
+    fut = dcp.async_save(_big_state(world, 1), storage_writer=w)
+    getattr(fut, "upload_completion", fut).result()
+    w.base = d["inc_c"]
+    w.reset(d["inc_d"])  # the path must be known when async_save stages
+    st = _big_state(world, 3)
+    fut = dcp.async_save(st, checkpoint_id=d["inc_d"], storage_writer=w)
+    for t in st["t"].values():
+        t.to_local().fill_(-1)  # after the call: not in the checkpoint
+    getattr(fut, "upload_completion", fut).result()
+    w.close()
+    _check_big(d["inc_d"], 3, world)
+    # the manager: full, delta, delta, full, delta (full_every=3), sync and async
+    for mode, root in (("sync", d["mgr_inc"]), ("async", d["mgr_inc_async"])):
+        mgr = CheckpointManager(root, keep_last=2, distributed=True, incremental=True, full_every=3,
+                                async_save=mode == "async")
+        for step in (1, 2, 3, 4, 5):
+            h = mgr.save(step, _big_state(world, step))
+            if mode == "async":
+                h.wait()
+            dist.barrier()
+            if step == 3:  # 2 and 3 kept, and 1: their base
+                assert mgr.steps() == [1, 2, 3], mgr.entries()
+                assert [mgr.base_of(s) for s in (1, 2, 3)] == [None, 1, 1]
+                _check_big(mgr.dir_path(2), 2, world)
+        assert mgr.steps() == [4, 5] and mgr.base_of(5) == 4 and mgr.base_of(4) is None, mgr.entries()
+        ref = _big_state(world, 0)
+        mgr.load(state=ref)
+        for k, t in _big_full(5).items():
+            _same(ref["t"][k].full_tensor(), t)
+        dist.barrier()
+
+
 def _w_all(rank, world, d):
     _w_async(rank, world, d)
     _w_manager(rank, world, d)
+    _w_incremental(rank, world, d)
 
 
 @pytest.fixture(scope="module")
 def dist_ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("dcpdist")
-    d = {k: str(root / k) for k in ("async1", "async2", "async_fsdp", "mgr", "mgr_async")}
+    d = {k: str(root / k) for k in ("async1", "async2", "async_fsdp", "mgr", "mgr_async", "inc_a", "inc_b",
+                                    "inc_c", "inc_d", "mgr_inc", "mgr_inc_async")}
     _spawn(_w_all, 2, d)
     return d
+
+
+@pytest.mark.parametrize("full,incr", [("inc_a", "inc_b"), ("inc_c", "inc_d")])
+def test_incremental_rank_files_store_deltas_against_the_base(dist_ckpts, tmp_path, full, incr):
+    """Writer(base=) with dcp.save and with dcp.async_save: each rank file records the same
+    rank's file of the base by relative path, is smaller than a full one, loads in one process
+    and consolidates bit-exact; without its base it is a BaseCheckpointError naming it."""
+    import shutil
+    from ckptzip.dcp import consolidate
+    step = 2 if incr == "inc_b" else 3
+    for r in (0, 1):
+        name = f"__{r}_0.ckz"
+        with ckptzip.open(os.path.join(dist_ckpts[incr], name)) as f:
+            assert f.base["file"] == f"../{full}/{name}" and f.base["depth"] == 1
+            assert any(t["id"] in ("delta", "xor") for s in f.storages for t in s.get("transforms", []))
+        assert os.path.getsize(os.path.join(dist_ckpts[incr], name)) < \
+            0.8 * os.path.getsize(os.path.join(dist_ckpts[full], name))
+    out = tmp_path / "one.ckz"
+    consolidate(dist_ckpts[incr], out)
+    sd = ckptzip.load(out)
+    for k, t in _big_full(step).items():
+        _same(sd["t"][k], t)
+    moved = tmp_path / "moved"
+    shutil.copytree(dist_ckpts[incr], moved)  # its base is not next to it any more
+    with pytest.raises(ckptzip.BaseCheckpointError, match=f"{full}/__0_0.ckz"):
+        consolidate(moved, tmp_path / "two.ckz")
+
+
+@pytest.mark.parametrize("name", ["mgr_inc", "mgr_inc_async"])
+def test_distributed_incremental_manager_markers_and_rotation(dist_ckpts, name):
+    root = dist_ckpts[name]
+    assert sorted(os.listdir(root)) == ["step-000000004", "step-000000004.commit",
+                                        "step-000000005", "step-000000005.commit"]
+    m4 = json.loads(open(os.path.join(root, "step-000000004.commit")).read())
+    m5 = json.loads(open(os.path.join(root, "step-000000005.commit")).read())
+    assert "base" not in m4 and m5["base"] == 4 and m5["delta_index"] == 1
+    with ckptzip.open(os.path.join(root, "step-000000005", "__1_0.ckz")) as f:
+        assert f.base["file"] == "../step-000000004/__1_0.ckz"
+    full = CheckpointManager(root).load(5)
+    for k, t in _big_full(5).items():
+        _same(full["t"][k], t)
+
+
+def test_distributed_marker_with_bad_base_is_damaged(dist_ckpts, tmp_path):
+    import shutil
+    root = tmp_path / "run"
+    shutil.copytree(dist_ckpts["mgr_inc"], root)
+    p = root / "step-000000005.commit"
+    m = json.loads(p.read_text())
+    for bad in ({"base": "4", "delta_index": 1}, {"base": 4}, {"base": 5, "delta_index": 1},
+                {"base": 4, "delta_index": 0}):
+        p.write_text(json.dumps({**{k: v for k, v in m.items() if k not in ("base", "delta_index")}, **bad}))
+        got = {e.step: e.status for e in CheckpointManager(root).entries()}
+        assert got[5] == "damaged", bad
 
 
 def test_async_save_stages_with_writer_and_holds_state_at_call(dist_ckpts):

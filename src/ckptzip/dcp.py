@@ -500,8 +500,9 @@ class _Staged:
     """What :meth:`Writer.stage` took: the snapshot of this rank's tensors and the map from a
     tensor's identity to its key in the snapshot."""
 
-    def __init__(self, snap: Any, keys: dict, sizes: dict) -> None:
+    def __init__(self, snap: Any, keys: dict, sizes: dict, based_in: str | None = None) -> None:
         self.snap, self.keys, self.sizes = snap, keys, sizes
+        self.based_in = based_in  # incremental: the directory its base record is relative to
 
 
 class _PathId:
@@ -527,15 +528,28 @@ class Writer(_PathId, StorageWriter):
     where they live, into a pooled snapshot; on the CPU a copy into a pooled host arena), so the
     training step waits for the compression, not for a copy of the state to host memory. The
     save then writes the snapshot and never reads the caller's tensors. ``save_kwargs`` may also
-    hold ``gpu_snapshot_bytes`` and ``reuse_plan`` (see :func:`ckptzip.asyncsave.snapshot`)."""
+    hold ``gpu_snapshot_bytes`` and ``reuse_plan`` (see :func:`ckptzip.asyncsave.snapshot`).
+
+    ``base`` (a local directory: a committed checkpoint of this writer, default None): an
+    incremental save. Each rank's tensor file ``__<r>_0.ckz`` is stored against the file of the
+    same name in ``base`` (format 1.1 ``delta``/``xor`` per storage where that is smaller, see
+    :func:`ckptzip.save`), recording it by relative path and content hash; a rank whose file is
+    missing there saves in full. Tensors pair by key, so the base must come from the same save
+    mode (``dcp.save`` or ``dcp.async_save``) and sharding; loading needs the base directory next
+    to this one (a missing or altered base is a :class:`~ckptzip.BaseCheckpointError` naming it).
+    With ``dcp.async_save`` the rank is taken from the default process group, and the writer must
+    already have the checkpoint's path when the call stages (``Writer(path)`` or
+    ``writer.reset(path)``: DCP applies ``checkpoint_id`` only after staging; a mismatch fails the
+    save). Attribute ``base`` may be changed between saves of one writer."""
 
     # AsyncStager protocol: stage() is synchronous, nothing to synchronize after it.
     _synchronize_after_execute: bool = False
 
     def __init__(self, path: str | os.PathLike, *, codec: str | dict = "auto", portable: bool = False,
-                 **save_kwargs: Any) -> None:
+                 base: str | os.PathLike | None = None, **save_kwargs: Any) -> None:
         super().__init__()
         self.path = os.fspath(path)
+        self.base = base
         self.codec = codec
         self.portable = portable
         self.stage_kwargs = {k: save_kwargs.pop(k) for k in _STAGE_ONLY if k in save_kwargs}
@@ -586,11 +600,28 @@ class Writer(_PathId, StorageWriter):
         if self._arena is None:
             self._arena = Arena()
         kw = {k: v for k, v in self.save_kwargs.items() if k not in _WRITE_ONLY}
+        name = f"__{_default_rank()}_0.ckz"  # the plan's file name is not known yet: DCP numbers by rank
+        base = self._base_file(name)
+        if base is not None:
+            kw.update(base=base, target=_join(self.path, name))
         snap = snapshot(obj, codec=self.codec, portable=self.portable, arena=self._arena,
                         metadata={"ckptzip.dcp": "rank file (staged)"}, **kw, **self.stage_kwargs)
         with self._lock:
-            self._staged = _Staged(snap, keys, sizes)
+            self._staged = _Staged(snap, keys, sizes, _abs_dir(self.path) if base is not None else None)
         return staged_sd
+
+    def _base_file(self, name: str) -> str | None:
+        """The base of this rank's file ``name`` in an incremental save (``base`` set): the file
+        of that name in the base directory, which must be a committed local checkpoint; None
+        when there is no base or the base has no such file (this rank saves in full)."""
+        if self.base is None:
+            return None
+        base = os.fspath(self.base)
+        if is_url(base) or is_url(self.path):
+            raise ValueError("ckptzip.dcp.Writer(base=...): incremental saves need local directories")
+        read_metadata(base, check_files=True)  # committed and complete, or a named error
+        p = os.path.join(local_path(base), name)
+        return p if os.path.isfile(p) else None
 
     def synchronize_staging(self) -> None:
         """Nothing to do: :meth:`stage` returns once the snapshot is taken."""
@@ -665,7 +696,8 @@ class Writer(_PathId, StorageWriter):
             sizes[key] = t.numel() * t.element_size()
             keys[key] = item.index
         summary = ckptzip.save(obj, _join(self.path, name), codec=self.codec, portable=self.portable,
-                               metadata={"ckptzip.dcp": "rank file", "rank": str(self.rank)}, **self.save_kwargs)
+                               metadata={"ckptzip.dcp": "rank file", "rank": str(self.rank)},
+                               base=self._base_file(name), **self.save_kwargs)
         nbytes = int(summary["stored_bytes"])
         results = [WriteResult(index=keys[k], size_in_bytes=sizes[k], storage_data=_Stored(name, k, nbytes))
                    for k in obj]
@@ -683,6 +715,11 @@ class Writer(_PathId, StorageWriter):
             if not _FILE_RE.match(n):
                 raise ValueError(f"bad rank file name {n!r}")
         wkw = {k: v for k, v in self.save_kwargs.items() if k in _WRITE_ONLY}
+        if staged.based_in is not None and staged.based_in != _abs_dir(self.path):
+            raise ValueError(f"ckptzip.dcp.Writer: the incremental snapshot was staged for {staged.based_in} but "
+                             f"is being written to {self.path} (its base is recorded relative to the first): give "
+                             "the checkpoint path to the writer (Writer(path) or writer.reset(path)) before "
+                             "dcp.async_save, which applies checkpoint_id only after staging")
         tensor_items: list = []
         extra: dict[str, torch.Tensor] = {}
         extra_items: list = []
@@ -741,6 +778,15 @@ class Writer(_PathId, StorageWriter):
 
 
 # -- reader ------------------------------------------------------------------------------------
+def _abs_dir(path: str | os.PathLike) -> str:
+    return os.path.abspath(local_path(os.fspath(path)))
+
+
+def _default_rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _narrow(t: torch.Tensor, offsets, lengths, what: str) -> torch.Tensor:
     if len(offsets) != t.dim() or len(lengths) != t.dim():
         raise DCPMetadataError(f"{what}: request of {len(offsets)} dims for a stored chunk of {t.dim()}")
@@ -948,8 +994,16 @@ def consolidate(path: str | os.PathLike, out_path: str | os.PathLike, *, allow_p
     if output_inside(path, out_path):
         raise ValueError(f"consolidate: the output {os.fspath(out_path)!r} is inside the checkpoint directory "
                          f"{os.fspath(path)!r} (it could replace one of its files); write it elsewhere")
+    from torch.distributed.checkpoint.api import CheckpointException
     sd: dict[str, Any] = {}
-    _load_state_dict(sd, storage_reader=Reader(path, allow_pickle=allow_pickle),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    try:
+        _load_state_dict(sd, storage_reader=Reader(path, allow_pickle=allow_pickle),
+                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except CheckpointException as e:  # one process: raise its error itself (e.g. a missing base)
+        first = next(iter(getattr(e, "failures", {}).values()), None)
+        first = first[0] if isinstance(first, tuple) else first
+        if isinstance(first, Exception):
+            raise first from None
+        raise
     return ckptzip.save(sd, out_path, **save_kwargs)
 

@@ -130,14 +130,18 @@ class CheckpointManager:
     Not automatic: a manager is in file mode unless ``distributed=True``, even under
     torch.distributed (file mode in a multi-rank job is the usual "rank 0 saves" pattern).
 
-    ``incremental`` (default False; local directories in file mode): every save after a full
-    (standalone) checkpoint is stored as a delta against that full checkpoint (format 1.1,
+    ``incremental`` (default False; local directories): every save after a full (standalone)
+    checkpoint is stored as a delta against that full checkpoint (format 1.1,
     ``ckptzip.save(..., base=)``), and every ``full_every``-th save (int >= 1, default 10; 1:
     every save full) is full again. Deltas refer to the last *full* checkpoint, not to the
     previous delta: loading any checkpoint reads at most two files, and rotating a delta out
     never breaks another (a chain of deltas would shrink each file a little more but make a load
     decode the whole chain). Rotation never removes a checkpoint that a kept one needs as its
-    base; :meth:`base_of` names it; ``ckptzip ls`` shows it.
+    base; :meth:`base_of` names it; ``ckptzip ls`` shows it. In distributed mode each rank's file
+    is a delta against the same rank's file of the full checkpoint (:class:`ckptzip.dcp.Writer`
+    ``base=``); every rank decides from the saves this manager made (never from the directory,
+    which ranks may see at different moments), so the first save of a process is full, and the
+    coordinator's marker records the base (``"base"``, ``"delta_index"``).
 
     Other keyword arguments (``codec``, ``level``, ``chunk_size``, ...) go to every
     :func:`ckptzip.save` / :func:`ckptzip.async_save` (to :class:`ckptzip.dcp.Writer` in
@@ -158,8 +162,8 @@ class CheckpointManager:
         if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
             raise ValueError("full_every must be an int >= 1")
         self.directory = os.fspath(directory)
-        if incremental and (is_url(self.directory) or distributed):
-            raise ValueError("incremental checkpoints need a local directory in file mode")
+        if incremental and is_url(self.directory):
+            raise ValueError("incremental checkpoints need a local directory")
         self.incremental, self.full_every = bool(incremental), full_every
         self.keep_last, self.keep_every = keep_last, keep_every
         self.use_async = async_save
@@ -172,6 +176,7 @@ class CheckpointManager:
         self.distributed = bool(distributed)
         self.process_group = process_group
         self._writer = None  # distributed async mode: one Writer (its staging arena is pooled)
+        self._dcp_full: tuple[int, int] | None = None  # distributed incremental: (full step, deltas since)
 
     # -- names ------------------------------------------------------------------------------
     def _join(self, name: str) -> str:
@@ -246,12 +251,21 @@ class CheckpointManager:
                 self.fs.rm(self._marker(step))
             except FileNotFoundError:
                 pass
+        extra: dict[str, int] = {}
+        if self.incremental and "base" not in opts:
+            full = self._dcp_full
+            if full is not None and full[0] != step and full[1] + 1 < self.full_every:
+                opts["base"] = self.dir_path(full[0])
+                extra = {"base": full[0], "delta_index": full[1] + 1}
 
         def commit() -> dict:
             if coord:
                 self._write_marker(step, {"step": step, "dir": _dir_name(step),
-                                          "metadata_sha256": commit_marker(self.dir_path(step))["metadata_sha256"]})
+                                          "metadata_sha256": commit_marker(self.dir_path(step))["metadata_sha256"],
+                                          **extra})
                 self._rotate()
+            if self.incremental:  # the next save's base: this one if full, else the same full one
+                self._dcp_full = (extra["base"], extra["delta_index"]) if extra else (step, 0)
             return {"path": path}
 
         if self.use_async:
@@ -261,6 +275,8 @@ class CheckpointManager:
                 if self._writer is None:
                     self._writer = Writer(path, **opts)
                 writer = self._writer
+                writer.base = opts.get("base")
+                writer.reset(path)  # staging happens before DCP applies checkpoint_id
             t0 = time.perf_counter()
             fut = dcp.async_save(state, checkpoint_id=path, storage_writer=writer, process_group=self.process_group)
             fut = getattr(fut, "upload_completion", fut)
@@ -280,8 +296,11 @@ class CheckpointManager:
         return res
 
     def base_of(self, step: int) -> int | None:
-        """The step of the checkpoint that checkpoint ``step`` (a file checkpoint) is stored
-        against, or None for a full one (or a file that cannot be read)."""
+        """The step of the checkpoint that checkpoint ``step`` is stored against, or None for a
+        full one (or a file that cannot be read). A distributed checkpoint: the base its
+        manager marker records."""
+        if not self.fs.exists(self.path(step)) and self.fs.isdir(self._join(_dir_name(step))):
+            return self._dcp_base(step)
         try:
             with open_checkpoint(self.path(step)) as r:
                 rec = r.base
@@ -314,6 +333,16 @@ class CheckpointManager:
         if k >= self.full_every or full not in older:
             return None, 0
         return self.path(full), k
+
+    def _dcp_base(self, step: int) -> int | None:
+        """The base step a committed distributed checkpoint's marker records, or None."""
+        try:
+            with self.fs.open(self._marker(step), "rb") as f:
+                info = json.loads(f.read(_MARKER_MAX + 1).decode("utf-8"))
+        except (OSError, ValueError, RecursionError):
+            return None
+        b = info.get("base") if isinstance(info, dict) else None
+        return b if type(b) is int and b >= 0 else None
 
     def _write_marker(self, step: int, doc: dict) -> None:
         marker = json.dumps(doc).encode()
@@ -389,8 +418,14 @@ class CheckpointManager:
         from .dcp import COMMIT_NAME, DCPMetadataError, commit_marker, read_metadata
         if info["dir"] != _dir_name(step):
             return f"marker's dir {info['dir']!r} is not {_dir_name(step)!r}"
-        if set(info) != {"step", "dir", "metadata_sha256"} or type(info["metadata_sha256"]) is not str:
-            return "marker of a distributed checkpoint must hold exactly step, dir and metadata_sha256 (str)"
+        if not {"step", "dir", "metadata_sha256"} <= set(info) <= {"step", "dir", "metadata_sha256", "base",
+                                                                    "delta_index"} \
+                or type(info["metadata_sha256"]) is not str or ("base" in info) != ("delta_index" in info):
+            return ("marker of a distributed checkpoint must hold step, dir and metadata_sha256 (str), and "
+                    "base with delta_index or neither")
+        if "base" in info and not (type(info["base"]) is int and 0 <= info["base"] != step
+                                   and type(info["delta_index"]) is int and info["delta_index"] >= 1):
+            return "marker's base must be another step (int >= 0) and its delta_index an int >= 1"
         d = listing.get(_dir_name(step))
         if d is None:
             return f"checkpoint directory {_dir_name(step)}/ is missing"
@@ -594,7 +629,9 @@ class CheckpointManager:
         keep = set(steps if self.keep_last is None else steps[-self.keep_last:] if self.keep_last else [])
         if self.keep_every:
             keep |= {s for s in steps if s % self.keep_every == 0}
-        if not self.distributed:  # never remove a base that a kept checkpoint needs
+        if self.distributed:  # never remove a base that a kept checkpoint needs
+            keep |= {b for b in (self._dcp_base(s) for s in list(keep)) if b is not None}
+        else:
             for s in list(keep):
                 try:
                     chain = base_chain(self.path(s))
