@@ -225,6 +225,14 @@ def test_distributed_incremental_manager_markers_and_rotation(dist_ckpts, name):
     full = CheckpointManager(root).load(5)
     for k, t in _big_full(5).items():
         _same(full["t"][k], t)
+    from ckptzip.cli import main
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["ls", root, "--json"]) == 0
+    got = {e["step"]: e["base"] for e in json.loads(out.getvalue())["entries"] if e["step"] is not None}
+    assert got == {4: None, 5: 4}
 
 
 def test_distributed_marker_with_bad_base_is_damaged(dist_ckpts, tmp_path):

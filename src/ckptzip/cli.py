@@ -653,10 +653,10 @@ def cmd_ls(a) -> int:
     if a.json:
         print(json.dumps({"directory": a.directory, "steps": steps, "latest": steps[-1] if steps else None,
                           "entries": [{**e._asdict(), "base": m.base_of(e.step) if e.status == "committed"
-                                       and e.kind == "file" else None} for e in entries]}))
+                                       else None} for e in entries]}))
         return 0
     t = Table(title=line(f"checkpoints in {a.directory}"))
-    base = {e.step: m.base_of(e.step) for e in entries if e.status == "committed" and e.kind == "file"}
+    base = {e.step: m.base_of(e.step) for e in entries if e.status == "committed"}
     for c in ("step", "name", "kind", "bytes", "base", "status", "reason"):
         t.add_column(c, justify="right" if c in ("step", "bytes") else "left",
                      overflow="fold" if c == "reason" else "ellipsis")
