@@ -111,7 +111,7 @@ def _lmz(s1, s2, f1, f2, st1, st2, wd):
 
 
 def _moonclip(s1, s2, f1, f2, st1, st2, wd):
-    from moonclip import CheckpointManager, flatten_state_dict, unflatten_state_dict
+    from moonclip import CheckpointManager, flatten_state_dict
 
     def tensors(s):  # the documented save_raw input: flatten_state_dict per component
         out = {}
@@ -120,8 +120,7 @@ def _moonclip(s1, s2, f1, f2, st1, st2, wd):
         return out
 
     def back(root, sid):  # a fresh manager, so the load reads the store and not a cached base
-        raw = CheckpointManager(root, async_save=False).load(sid)
-        return _flat(unflatten_state_dict(raw))
+        return _flat(CheckpointManager(root, async_save=False).load(sid))  # load() unflattens
 
     out = []
     for delta in (True, False):

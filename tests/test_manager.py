@@ -233,3 +233,49 @@ def test_distributed_manager_removes_directories_of_killed_saves(tmp_path):
     assert m.clean_stale_temp() == ["step-000000001"]
     assert not (tmp_path / "step-000000001").exists() and (tmp_path / "step-000000005").exists()
     assert m.steps() == [2]
+
+
+def _dstate(step):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(256, 1024, generator=g) * 0.02
+    return {"w": w + step * 1e-5 * torch.randn(256, 1024, generator=g), "step": step}
+
+
+def _rank_base(root, step):
+    with ckptzip.open(os.path.join(root, f"step-{step:09d}", "__0_0.ckz")) as r:
+        return r.base and r.base["file"]
+
+
+def test_distributed_incremental_keeps_the_pending_base_and_recovers(tmp_path):
+    """Single-process distributed mode (what every rank does): the full checkpoint the next
+    delta will use is kept even when keep_last/keep_every alone would drop it; a base removed
+    from outside makes the next save full (never a failing save); a rank whose base file is
+    damaged saves in full; base= is refused (the manager must record bases itself)."""
+    import shutil
+    m = ckptzip.CheckpointManager(tmp_path / "a", keep_last=0, keep_every=5, distributed=True, incremental=True)
+    for s in (1, 2, 3, 4, 5):
+        m.save(s, _dstate(s))
+    assert m.steps() == [1, 5] and m.base_of(5) == 1
+    assert _rank_base(tmp_path / "a", 5) == "../step-000000001/__0_0.ckz"
+    for k, v in _dstate(5).items():
+        assert torch.equal(torch.as_tensor(m.load(5)[k]), torch.as_tensor(v))
+    m = ckptzip.CheckpointManager(tmp_path / "b", keep_last=3, distributed=True, incremental=True)
+    m.save(1, _dstate(1))
+    m.save(2, _dstate(2))
+    assert m.base_of(2) == 1
+    shutil.rmtree(m.dir_path(1))
+    os.remove(tmp_path / "b" / "step-000000001.commit")
+    m.save(3, _dstate(3))  # its base is gone: full
+    m.save(4, _dstate(4))
+    assert m.base_of(3) is None and m.base_of(4) == 3 and _rank_base(tmp_path / "b", 3) is None
+    assert torch.equal(m.load(4)["w"], _dstate(4)["w"])
+    # a damaged base rank file (same size, a flipped byte in its manifest): that rank saves in full
+    p = tmp_path / "b" / "step-000000003" / "__0_0.ckz"
+    raw = bytearray(p.read_bytes())
+    raw[-100] ^= 0xFF
+    p.write_bytes(bytes(raw))
+    m.save(5, _dstate(5))
+    assert _rank_base(tmp_path / "b", 5) is None
+    assert torch.equal(m.load(5)["w"], _dstate(5)["w"])
+    with pytest.raises(ValueError, match="incremental=True"):
+        m.save(6, _dstate(6), base=m.dir_path(4))

@@ -38,11 +38,11 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 import ckptzip
-from ckptzip.errors import CorruptFileError, PickleNotAllowedError
+from ckptzip.errors import CkptzipError, CorruptFileError, PickleNotAllowedError
 from ckptzip.storage import is_url, local_path, open_for_write
 from ckptzip.validate import strict_json
 
-__all__ = ["Writer", "Reader", "consolidate", "read_metadata", "item_key", "DCPMetadataError",
+__all__ = ["Writer", "Reader", "consolidate", "read_full", "read_metadata", "item_key", "DCPMetadataError",
            "IncompleteCheckpointError", "METADATA_NAME", "COMMIT_NAME", "FORMAT", "FORMAT_VERSION"]
 
 METADATA_NAME = "ckptzip.dcp.json"
@@ -537,7 +537,8 @@ class Writer(_PathId, StorageWriter):
     missing there saves in full. Tensors pair by key, so the base must come from the same save
     mode (``dcp.save`` or ``dcp.async_save``) and sharding; loading needs the base directory next
     to this one (a missing or altered base is a :class:`~ckptzip.BaseCheckpointError` naming it).
-    With ``dcp.async_save`` the rank is taken from the default process group, and the writer must
+    With ``dcp.async_save`` the rank is taken from ``process_group`` (default: the default group;
+    pass the group given to ``dcp.async_save``), and the writer must
     already have the checkpoint's path when the call stages (``Writer(path)`` or
     ``writer.reset(path)``: DCP applies ``checkpoint_id`` only after staging; a mismatch fails the
     save). Attribute ``base`` may be changed between saves of one writer."""
@@ -546,10 +547,11 @@ class Writer(_PathId, StorageWriter):
     _synchronize_after_execute: bool = False
 
     def __init__(self, path: str | os.PathLike, *, codec: str | dict = "auto", portable: bool = False,
-                 base: str | os.PathLike | None = None, **save_kwargs: Any) -> None:
+                 base: str | os.PathLike | None = None, process_group: Any = None, **save_kwargs: Any) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.base = base
+        self.process_group = process_group  # the group DCP numbers rank files by (staging's base file)
         self.codec = codec
         self.portable = portable
         self.stage_kwargs = {k: save_kwargs.pop(k) for k in _STAGE_ONLY if k in save_kwargs}
@@ -600,12 +602,20 @@ class Writer(_PathId, StorageWriter):
         if self._arena is None:
             self._arena = Arena()
         kw = {k: v for k, v in self.save_kwargs.items() if k not in _WRITE_ONLY}
-        name = f"__{_default_rank()}_0.ckz"  # the plan's file name is not known yet: DCP numbers by rank
-        base = self._base_file(name)
-        if base is not None:
-            kw.update(base=base, target=_join(self.path, name))
-        snap = snapshot(obj, codec=self.codec, portable=self.portable, arena=self._arena,
-                        metadata={"ckptzip.dcp": "rank file (staged)"}, **kw, **self.stage_kwargs)
+        name = f"__{_group_rank(self.process_group)}_0.ckz"  # DCP numbers rank files by group rank
+        meta = {"ckptzip.dcp": "rank file (staged)"}
+        base = None
+        try:  # a base this rank cannot use: this rank saves in full (an error here would leave the
+            # other ranks waiting in DCP's collectives)
+            base = self._base_file(name)
+            if base is not None:
+                snap = snapshot(obj, codec=self.codec, portable=self.portable, arena=self._arena, metadata=meta,
+                                base=base, target=_join(self.path, name), **kw, **self.stage_kwargs)
+        except (CkptzipError, OSError):
+            base = None
+        if base is None:
+            snap = snapshot(obj, codec=self.codec, portable=self.portable, arena=self._arena, metadata=meta,
+                            **kw, **self.stage_kwargs)
         with self._lock:
             self._staged = _Staged(snap, keys, sizes, _abs_dir(self.path) if base is not None else None)
         return staged_sd
@@ -619,7 +629,8 @@ class Writer(_PathId, StorageWriter):
         base = os.fspath(self.base)
         if is_url(base) or is_url(self.path):
             raise ValueError("ckptzip.dcp.Writer(base=...): incremental saves need local directories")
-        read_metadata(base, check_files=True)  # committed and complete, or a named error
+        read_metadata(base, check_files=False)  # committed, or a named error (the file itself is
+        # checked by size and manifest hash when it is read as the base)
         p = os.path.join(local_path(base), name)
         return p if os.path.isfile(p) else None
 
@@ -695,9 +706,16 @@ class Writer(_PathId, StorageWriter):
             obj[key] = t
             sizes[key] = t.numel() * t.element_size()
             keys[key] = item.index
-        summary = ckptzip.save(obj, _join(self.path, name), codec=self.codec, portable=self.portable,
-                               metadata={"ckptzip.dcp": "rank file", "rank": str(self.rank)},
-                               base=self._base_file(name), **self.save_kwargs)
+        meta = {"ckptzip.dcp": "rank file", "rank": str(self.rank)}
+        try:  # a base this rank cannot use: this rank saves in full
+            base = self._base_file(name)
+            summary = ckptzip.save(obj, _join(self.path, name), codec=self.codec, portable=self.portable,
+                                   metadata=meta, base=base, **self.save_kwargs) if base is not None else None
+        except (CkptzipError, OSError):
+            summary = None
+        if summary is None:
+            summary = ckptzip.save(obj, _join(self.path, name), codec=self.codec, portable=self.portable,
+                                   metadata=meta, **self.save_kwargs)
         nbytes = int(summary["stored_bytes"])
         results = [WriteResult(index=keys[k], size_in_bytes=sizes[k], storage_data=_Stored(name, k, nbytes))
                    for k in obj]
@@ -782,9 +800,9 @@ def _abs_dir(path: str | os.PathLike) -> str:
     return os.path.abspath(local_path(os.fspath(path)))
 
 
-def _default_rank() -> int:
+def _group_rank(group: Any = None) -> int:
     import torch.distributed as dist
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
 def _narrow(t: torch.Tensor, offsets, lengths, what: str) -> torch.Tensor:
@@ -979,25 +997,19 @@ def output_inside(path: str | os.PathLike, out_path: str | os.PathLike) -> bool:
     return os.path.commonpath([src, os.path.realpath(os.path.dirname(os.path.abspath(out_path)))]) == src
 
 
-def consolidate(path: str | os.PathLike, out_path: str | os.PathLike, *, allow_pickle: bool = False,
-                **save_kwargs: Any) -> dict[str, Any]:
-    """Read the DCP checkpoint in ``path`` (written by :class:`Writer`) in this process (no process
-    group needed) and write ONE .ckz file with the full, unsharded state dict, nested as it was
-    saved (e.g. ``{"model": {...}, "optim": {...}}``), which :func:`ckptzip.load` reads without
-    torch.distributed. Holds the whole state in host memory. Returns :func:`ckptzip.save`'s
-    summary."""
+def read_full(path: str | os.PathLike, **reader_kwargs: Any) -> dict[str, Any]:
+    """The whole, unsharded state dict of the DCP checkpoint in ``path`` (written by
+    :class:`Writer`), read in this process (no process group needed), nested as it was saved.
+    Errors are ckptzip's own (e.g. :class:`~ckptzip.BaseCheckpointError`), not DCP's wrapper.
+    ``reader_kwargs`` go to :class:`Reader`."""
     # As torch's own format_utils.dcp_to_torch_save does (dcp.load keeps only the keys of the
     # state dict it is given, so the empty-state-dict planner goes through _load_state_dict).
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    if output_inside(path, out_path):
-        raise ValueError(f"consolidate: the output {os.fspath(out_path)!r} is inside the checkpoint directory "
-                         f"{os.fspath(path)!r} (it could replace one of its files); write it elsewhere")
-    from torch.distributed.checkpoint.api import CheckpointException
     sd: dict[str, Any] = {}
     try:
-        _load_state_dict(sd, storage_reader=Reader(path, allow_pickle=allow_pickle),
+        _load_state_dict(sd, storage_reader=Reader(path, **reader_kwargs),
                          planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     except CheckpointException as e:  # one process: raise its error itself (e.g. a missing base)
         first = next(iter(getattr(e, "failures", {}).values()), None)
@@ -1005,5 +1017,18 @@ def consolidate(path: str | os.PathLike, out_path: str | os.PathLike, *, allow_p
         if isinstance(first, Exception):
             raise first from None
         raise
-    return ckptzip.save(sd, out_path, **save_kwargs)
+    return sd
+
+
+def consolidate(path: str | os.PathLike, out_path: str | os.PathLike, *, allow_pickle: bool = False,
+                **save_kwargs: Any) -> dict[str, Any]:
+    """Read the DCP checkpoint in ``path`` (written by :class:`Writer`) in this process (no process
+    group needed, :func:`read_full`) and write ONE .ckz file with the full, unsharded state dict,
+    nested as it was saved (e.g. ``{"model": {...}, "optim": {...}}``), which :func:`ckptzip.load`
+    reads without torch.distributed. Holds the whole state in host memory. Returns
+    :func:`ckptzip.save`'s summary."""
+    if output_inside(path, out_path):
+        raise ValueError(f"consolidate: the output {os.fspath(out_path)!r} is inside the checkpoint directory "
+                         f"{os.fspath(path)!r} (it could replace one of its files); write it elsewhere")
+    return ckptzip.save(read_full(path, allow_pickle=allow_pickle), out_path, **save_kwargs)
 

@@ -251,29 +251,36 @@ class CheckpointManager:
                 self.fs.rm(self._marker(step))
             except FileNotFoundError:
                 pass
+        if "base" in opts:
+            raise ValueError("CheckpointManager(distributed=True) takes no base=: use incremental=True (the "
+                             "manager records each delta's base so that rotation keeps it)")
         extra: dict[str, int] = {}
-        if self.incremental and "base" not in opts:
+        if self.incremental:
             full = self._dcp_full
-            if full is not None and full[0] != step and full[1] + 1 < self.full_every:
+            if (full is not None and full[0] != step and full[1] + 1 < self.full_every
+                    and self.fs.exists(self._marker(full[0]))):  # (a base removed meanwhile: a full save)
                 opts["base"] = self.dir_path(full[0])
                 extra = {"base": full[0], "delta_index": full[1] + 1}
+        # every rank forgets the base until this save is known to have succeeded (DCP's outcome is
+        # the same on every rank): a failed save makes the next one full, on every rank alike
+        self._dcp_full = None
 
         def commit() -> dict:
+            if self.incremental:  # the next save's base: this one if full, else the same full one
+                self._dcp_full = (extra["base"], extra["delta_index"]) if extra else (step, 0)
             if coord:
                 self._write_marker(step, {"step": step, "dir": _dir_name(step),
                                           "metadata_sha256": commit_marker(self.dir_path(step))["metadata_sha256"],
                                           **extra})
                 self._rotate()
-            if self.incremental:  # the next save's base: this one if full, else the same full one
-                self._dcp_full = (extra["base"], extra["delta_index"]) if extra else (step, 0)
             return {"path": path}
 
         if self.use_async:
             if overridden:
-                writer = Writer(path, **opts)
+                writer = Writer(path, process_group=self.process_group, **opts)
             else:  # one writer for every save: its staging arena is reused
                 if self._writer is None:
-                    self._writer = Writer(path, **opts)
+                    self._writer = Writer(path, process_group=self.process_group, **opts)
                 writer = self._writer
                 writer.base = opts.get("base")
                 writer.reset(path)  # staging happens before DCP applies checkpoint_id
@@ -289,7 +296,8 @@ class CheckpointManager:
             handle._start(finish, "ckptzip-commit")
             self._pending = handle
             return handle
-        dcp.save(state, checkpoint_id=path, storage_writer=Writer(path, **opts), process_group=self.process_group)
+        dcp.save(state, checkpoint_id=path, storage_writer=Writer(path, process_group=self.process_group, **opts),
+                 process_group=self.process_group)
         res = commit()
         if dist.is_available() and dist.is_initialized():
             dist.barrier(self.process_group)  # every rank sees the step committed when save returns
@@ -341,8 +349,10 @@ class CheckpointManager:
                 info = json.loads(f.read(_MARKER_MAX + 1).decode("utf-8"))
         except (OSError, ValueError, RecursionError):
             return None
-        b = info.get("base") if isinstance(info, dict) else None
-        return b if type(b) is int and b >= 0 else None
+        if not isinstance(info, dict):
+            return None
+        b, k = info.get("base"), info.get("delta_index")
+        return b if type(b) is int and 0 <= b != step and type(k) is int and k >= 1 else None
 
     def _write_marker(self, step: int, doc: dict) -> None:
         marker = json.dumps(doc).encode()
@@ -555,15 +565,11 @@ class CheckpointManager:
         return load(self.path(step), allow_lossy=False, **kwargs)  # never resume from a lossy export
 
     def _load_dcp(self, step: int, state: Any, planner: Any = None, **reader_kwargs: Any) -> Any:
-        from .dcp import Reader
+        from .dcp import Reader, read_full
         path = self.dir_path(step)
-        reader = Reader(path, **reader_kwargs)
         if state is None:
-            from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-            from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-            sd: dict = {}
-            _load_state_dict(sd, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-            return sd
+            return read_full(path, **reader_kwargs)
+        reader = Reader(path, **reader_kwargs)
         import torch.distributed.checkpoint as dcp
         dcp.load(state, checkpoint_id=path, storage_reader=reader, planner=planner,
                  process_group=self.process_group)
@@ -629,8 +635,10 @@ class CheckpointManager:
         keep = set(steps if self.keep_last is None else steps[-self.keep_last:] if self.keep_last else [])
         if self.keep_every:
             keep |= {s for s in steps if s % self.keep_every == 0}
-        if self.distributed:  # never remove a base that a kept checkpoint needs
+        if self.distributed:  # never remove a base that a kept checkpoint or the next save needs
             keep |= {b for b in (self._dcp_base(s) for s in list(keep)) if b is not None}
+            if self._dcp_full is not None:
+                keep.add(self._dcp_full[0])
         else:
             for s in list(keep):
                 try:

@@ -225,7 +225,8 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
         part = stream[pos:pos + (b - a)]
         dst = job.out[a:b]
         fz = None
-        if job.ref is not None and job.tf is not None and isinstance(job.ref, (Xor, Delta)) and job.ref.ref is not None:
+        if (job.ref is not None and job.tf is not None and isinstance(job.ref, (Xor, Delta)) and job.ref.ref is not None
+                and part.device == dst.device):  # (chunks decoded on the CPU for a GPU tensor: two steps)
             refb = job.ref.base_slice(a, b - a)
             fz = fused_planes(job.tf, job.ref, dst, refb)
         if fz is not None and fz[0].decode_ref(part, refb, dst, *fz[1:]):

@@ -64,7 +64,7 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
     if dev == "cuda":
         for k, u in enumerate(units):
             if u.plan.ref is not None and not u.resolved and u.data.numel() and isinstance(u.plan.ref, (Xor, Delta)) \
-                    and u.plan.ref.ref is not None:
+                    and u.plan.ref.ref is not None and u.data.device == torch.device("cuda", torch.cuda.current_device()):
                 refb = u.plan.ref.base_slice(u.start, u.data.numel())
                 fz = fused_planes(u.plan.transform, u.plan.ref, u.data, refb)
                 fused[k] = (fz, refb) if fz is not None else None

@@ -10,6 +10,9 @@ path; torch.save 1.7 s). So the first call starts compiling them in a background
 inputs of every specialization ckptzip launches, and returns None until that is done: the first
 save of a process runs on the torch path, later ones on the kernels. ``wait=True`` blocks until
 they are ready (tests, benchmarks); ``CKPTZIP_TRITON_WARMUP=0`` compiles on first use instead.
+The fused reference kernels of incremental saves and loads (``encode_ref`` / ``decode_ref``) are
+not in the warm-up: they compile on their first use (the first incremental save or load of a
+process), so that the warm-up of every other process stays as short as it was.
 """
 from __future__ import annotations
 
