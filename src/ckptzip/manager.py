@@ -243,7 +243,7 @@ class CheckpointManager:
     def _save_dcp(self, step: int, state: Any, opts: dict, overridden: bool):
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
-        from .dcp import Writer, commit_marker
+        from .dcp import COMMIT_NAME, Writer, commit_marker
         path = self.dir_path(step)
         coord = self._is_coordinator()
         if coord:  # saving a step again: un-commit it first
@@ -257,8 +257,11 @@ class CheckpointManager:
         extra: dict[str, int] = {}
         if self.incremental:
             full = self._dcp_full
+            # a base removed meanwhile: a full save. (Its DCP COMMIT, written before any rank's
+            # save of it returned, not the manager marker, which the coordinator may still be
+            # writing in an async save: every rank must see the same answer.)
             if (full is not None and full[0] != step and full[1] + 1 < self.full_every
-                    and self.fs.exists(self._marker(full[0]))):  # (a base removed meanwhile: a full save)
+                    and self.fs.exists(f"{self._join(_dir_name(full[0]))}/{COMMIT_NAME}")):
                 opts["base"] = self.dir_path(full[0])
                 extra = {"base": full[0], "delta_index": full[1] + 1}
         # every rank forgets the base until this save is known to have succeeded (DCP's outcome is
