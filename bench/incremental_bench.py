@@ -1,7 +1,7 @@
 """Incremental (format 1.1) checkpoints: full vs incremental ratios on a GPT trained here, load
 times, and (on a GPU) compress/decompress throughput of the ``delta`` and ``xor`` transforms.
 
-    PYTHONPATH=src python bench/incremental_bench.py                       # small CPU GPT (4.9 M params)
+    PYTHONPATH=src python bench/incremental_bench.py --peers               # small CPU GPT (4.9 M params), + peers
     PYTHONPATH=src python bench/incremental_bench.py --device cuda --dims bench --steps1 300 --gap 100
 
 Snapshot 1 is taken after ``--steps1`` AdamW steps, snapshot 2 ``--gap`` steps later. The state is
@@ -173,6 +173,8 @@ def main() -> None:
     ap.add_argument("--gap", type=int, default=50)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None, help="directory for the files (default: a temporary one)")
+    ap.add_argument("--peers", action="store_true", help="also store snapshot 2 given snapshot 1 with lmzip, "
+                    "z4ai, moonclip and ZipNN (bench/peers_incremental.py; the ones installed), same run")
     a = ap.parse_args()
     dims = DIMS[a.dims]
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
@@ -217,6 +219,13 @@ def main() -> None:
                                        "adam v": gpu_delta_throughput(v2, v1)}
         res["gpu_xor_throughput"] = {"fp32 weights": gpu_delta_throughput(w2, w1, kind="xor"),
                                      "bf16 weights": gpu_delta_throughput(w2.bfloat16(), w1.bfloat16(), kind="xor")}
+    if a.peers:
+        from peers_incremental import peer_ratios
+        res["peers"] = peer_ratios(s1, s2, os.path.join(d, "peers"))
+        rows = [("ckptzip (incremental)", res["s2 incremental (base s1)"]["ratio"])]
+        rows += [(n, r["ratio"]) for n, r in res["peers"].items() if "ratio" in r and r.get("bit_exact")]
+        for name, ratio in sorted(rows, key=lambda x: x[1]):
+            log(f"{name:24s} {ratio:.4f}")
     print(json.dumps(res, indent=1))
 
 

@@ -5,7 +5,7 @@ standalone compression of snapshot 2; the smaller of the two (bit-exact ones onl
 Every result is verified by decompressing (against snapshot 1 where it is a delta) and comparing
 the bytes of every tensor of snapshot 2. At most 2 threads are used.
 
-    PYTHONPATH=src python bench/peers_incremental.py      # trains the small GPT, prints JSON
+Used by ``bench/incremental_bench.py --peers`` (the same snapshots as ckptzip's, in one run).
 """
 from __future__ import annotations
 
@@ -181,13 +181,3 @@ def peer_ratios(s1: dict, s2: dict, workdir: str) -> dict[str, dict]:
                          "standalone_ratio": runs[1][0] / raw, "standalone_bit_exact": runs[1][4]}
     return results
 
-
-if __name__ == "__main__":
-    import tempfile
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from incremental_bench import DIMS, train_pair
-    torch.set_num_threads(THREADS)
-    steps1, gap = (int(a) for a in sys.argv[1:3]) if len(sys.argv) > 2 else (200, 50)
-    a, b = train_pair("cpu", DIMS["small"], steps1, gap, log=lambda m: print(m, file=sys.stderr))
-    with tempfile.TemporaryDirectory() as d:
-        print(json.dumps(peer_ratios(a, b, d), indent=1))
