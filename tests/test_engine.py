@@ -160,3 +160,16 @@ def test_pack_gathers_from_several_tensors():
     for t, so, n, o in zip(src, soff, stored, offs):
         want[o:o + n] = tensors[t].cpu().numpy()[so:so + n]
     assert np.array_equal(out.cpu().numpy(), want)
+
+
+def test_loads_do_not_start_the_kernel_warmup(monkeypatch):
+    """triton_kernels(start=False) (the load paths) returns None without starting the compile
+    thread when the kernels are not ready; the default call starts it."""
+    import threading
+    from ckptzip import kernels
+    monkeypatch.setattr(kernels, "_READY", threading.Event())
+    started = []
+    monkeypatch.setattr(kernels, "_start", lambda: started.append(1))
+    monkeypatch.delenv("CKPTZIP_TRITON_WARMUP", raising=False)
+    assert kernels.triton_kernels(start=False) is None and started == []
+    assert kernels.triton_kernels() is None and started == [1]

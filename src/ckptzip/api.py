@@ -14,6 +14,7 @@ from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, Job, decode_jobs, gpu_decode
                      storage_chain)
 from .errors import BaseCheckpointError, CorruptFileError, GPURequiredError, ResourceLimitError, TensorNotFoundError
 from .format import FOOTER_SIZE, HEADER_SIZE, check_header, parse_footer, parse_manifest
+from .kernels import triton_kernels
 from .pipeline import prepare, write
 from .storage import (FileObjectSource, RemoteSource, is_file_object, is_url, local_path, open_regular,
                       pread_into)
@@ -542,6 +543,9 @@ def load(path: Any, *, map_location: Any = None, allow_pickle: bool = False,
                                        f"is a lossy weights-only export and cannot be resumed from; use a "
                                        f"lossless checkpoint")
         obj = r.load()
+        if torch.cuda.is_initialized():  # this process uses the GPU: compile the kernels from now
+            # on, in the background (not during this load: see kernels.triton_kernels)
+            triton_kernels()
         if not lossy:
             return obj
     from .lossy.core import dequantize_tree

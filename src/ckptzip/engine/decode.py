@@ -203,7 +203,7 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     if work == "cpu":  # numpy: torch's intra-op threads stall on oversubscribed cores
         _np_copy_segments(src.numpy(), soffs[is_raw], stream.numpy(), roffs[is_raw], raws[is_raw])
     else:
-        copy_segments(src, soffs[is_raw], stream, roffs[is_raw], raws[is_raw])
+        copy_segments(src, soffs[is_raw], stream, roffs[is_raw], raws[is_raw], start_kernels=False)
     keys: dict[tuple, tuple[int, Codec]] = {}
     job_key = [keys.setdefault(codec_key(job.codec), (len(keys), job.codec))[0] for job, *_ in grp]
     if len(keys) > 1:
@@ -228,7 +228,7 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
         if (job.ref is not None and job.tf is not None and isinstance(job.ref, (Xor, Delta)) and job.ref.ref is not None
                 and part.device == dst.device):  # (chunks decoded on the CPU for a GPU tensor: two steps)
             refb = job.ref.base_slice(a, b - a)
-            fz = fused_planes(job.tf, job.ref, dst, refb)
+            fz = fused_planes(job.tf, job.ref, dst, refb, start=False)
         if fz is not None and fz[0].decode_ref(part, refb, dst, *fz[1:]):
             pass  # one kernel: planes -> residual -> onto the base (refb may be dst itself)
         elif job.ref is not None:

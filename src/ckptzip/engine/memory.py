@@ -75,14 +75,15 @@ def free_gpu_bytes() -> int:
 
 
 def copy_segments(src: torch.Tensor, soffs: np.ndarray, dst: torch.Tensor, doffs: np.ndarray,
-                  lens: np.ndarray, ends: np.ndarray | None = None) -> None:
+                  lens: np.ndarray, ends: np.ndarray | None = None, start_kernels: bool = True) -> None:
     """dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]] for every i (flat uint8 tensors, same
     device), and dst[doffs[i]+lens[i]:doffs[i]+ends[i]] zeroed where ``ends`` is given. On CUDA,
-    one Triton kernel launch for all; elsewhere, one copy per run of adjacent segments."""
+    one Triton kernel launch for all; elsewhere, one copy per run of adjacent segments.
+    ``start_kernels=False`` (loads): see :func:`ckptzip.kernels.triton_kernels`."""
     if not len(lens):
         return
     ends = lens if ends is None else ends
-    tk = triton_kernels() if src.is_cuda else None
+    tk = triton_kernels(start=start_kernels) if src.is_cuda else None
     if tk is not None:
         tk.copy_segments(src, soffs, dst, doffs, lens, ends)
         return

@@ -71,11 +71,16 @@ def _warm(device: int) -> None:
         _READY.set()
 
 
-def triton_kernels(wait: bool = False):
+def triton_kernels(wait: bool = False, start: bool = True):
     """The Triton kernel module (byteplane encode/decode, segment copies), or None (unavailable,
-    or still compiling unless ``wait``)."""
+    or still compiling unless ``wait``). ``start=False`` (the load paths): do not start the
+    warm-up if it has not started; a load in a fresh process then runs on the torch path without
+    a compile thread competing with it for the GIL, and :func:`ckptzip.load` starts the warm-up
+    as it returns."""
     if _READY.is_set():
         return _MOD or None
+    if not start and not wait:
+        return None
     if os.environ.get("CKPTZIP_TRITON_WARMUP") == "0":
         mod = _load()
         _READY.set()

@@ -94,7 +94,7 @@ class BytePlane(Transform):
     def decode(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Inverse of :meth:`encode`, written into the preallocated uint8 ``dst``."""
         w, b = self.width, self.block
-        if src.is_cuda and dst.is_cuda and triton_kernels() is not None:
+        if src.is_cuda and dst.is_cuda and triton_kernels(start=False) is not None:
             return triton_kernels().decode(src, dst, w, b)
         if src.device.type == "cpu" and dst.device.type == "cpu":
             return _np_decode(src.numpy(), dst.numpy(), w, b)

@@ -612,7 +612,8 @@ class ExpGrid(_ExpPredictor):
 
 
 
-def fused_planes(tf: Transform | None, ref: RefTransform | None, *words: torch.Tensor) -> tuple | None:
+def fused_planes(tf: Transform | None, ref: RefTransform | None, *words: torch.Tensor,
+                 start: bool = True) -> tuple | None:
     """``(kernels, width, block, is_delta)`` when ``byteplane`` after a bound ``xor`` / ``delta``
     runs as one CUDA kernel (:func:`ckptzip.kernels._triton_bp.encode_ref` / ``decode_ref``; same
     bytes as the two steps): Triton ready, every tensor in ``words`` (read or written as words:
@@ -625,7 +626,7 @@ def fused_planes(tf: Transform | None, ref: RefTransform | None, *words: torch.T
     if not all(t.is_cuda and t.device == words[0].device and t.data_ptr() % w == 0 and t.numel() % w == 0
                for t in words) or ref.ref.device != words[0].device:
         return None
-    k = triton_kernels() if _FUSED_OK else None
+    k = triton_kernels(start=start) if _FUSED_OK else None
     return (_Fused(k), w, tf.block, isinstance(ref, Delta)) if k is not None else None
 
 
