@@ -26,6 +26,7 @@ import os
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -603,22 +604,27 @@ class Writer(_PathId, StorageWriter):
             self._arena = Arena()
         kw = {k: v for k, v in self.save_kwargs.items() if k not in _WRITE_ONLY}
         name = f"__{_group_rank(self.process_group)}_0.ckz"  # DCP numbers rank files by group rank
-        meta = {"ckptzip.dcp": "rank file (staged)"}
-        base = None
-        try:  # a base this rank cannot use: this rank saves in full (an error here would leave the
-            # other ranks waiting in DCP's collectives)
+        target = _join(self.path, name)
+        snap, based = self._against_base(name, lambda base: snapshot(
+            obj, codec=self.codec, portable=self.portable, arena=self._arena,
+            metadata={"ckptzip.dcp": "rank file (staged)"}, base=base, target=target if base else None,
+            **kw, **self.stage_kwargs))
+        with self._lock:
+            self._staged = _Staged(snap, keys, sizes, _abs_dir(self.path) if based else None)
+        return staged_sd
+
+    def _against_base(self, name: str, run: Callable[[str | None], Any]) -> tuple[Any, bool]:
+        """``(run(base), True)`` with this rank's base file ``name`` in an incremental save;
+        ``(run(None), False)`` when there is none or it cannot be used (missing, damaged,
+        unreadable): this rank then saves in full, its file saying so (an error raised on one
+        rank here would leave the others waiting in DCP's collectives)."""
+        try:
             base = self._base_file(name)
             if base is not None:
-                snap = snapshot(obj, codec=self.codec, portable=self.portable, arena=self._arena, metadata=meta,
-                                base=base, target=_join(self.path, name), **kw, **self.stage_kwargs)
+                return run(base), True
         except (CkptzipError, OSError):
-            base = None
-        if base is None:
-            snap = snapshot(obj, codec=self.codec, portable=self.portable, arena=self._arena, metadata=meta,
-                            **kw, **self.stage_kwargs)
-        with self._lock:
-            self._staged = _Staged(snap, keys, sizes, _abs_dir(self.path) if base is not None else None)
-        return staged_sd
+            pass
+        return run(None), False
 
     def _base_file(self, name: str) -> str | None:
         """The base of this rank's file ``name`` in an incremental save (``base`` set): the file
@@ -706,16 +712,9 @@ class Writer(_PathId, StorageWriter):
             obj[key] = t
             sizes[key] = t.numel() * t.element_size()
             keys[key] = item.index
-        meta = {"ckptzip.dcp": "rank file", "rank": str(self.rank)}
-        try:  # a base this rank cannot use: this rank saves in full
-            base = self._base_file(name)
-            summary = ckptzip.save(obj, _join(self.path, name), codec=self.codec, portable=self.portable,
-                                   metadata=meta, base=base, **self.save_kwargs) if base is not None else None
-        except (CkptzipError, OSError):
-            summary = None
-        if summary is None:
-            summary = ckptzip.save(obj, _join(self.path, name), codec=self.codec, portable=self.portable,
-                                   metadata=meta, **self.save_kwargs)
+        summary, _ = self._against_base(name, lambda base: ckptzip.save(
+            obj, _join(self.path, name), codec=self.codec, portable=self.portable,
+            metadata={"ckptzip.dcp": "rank file", "rank": str(self.rank)}, base=base, **self.save_kwargs))
         nbytes = int(summary["stored_bytes"])
         results = [WriteResult(index=keys[k], size_in_bytes=sizes[k], storage_data=_Stored(name, k, nbytes))
                    for k in obj]

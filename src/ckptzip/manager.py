@@ -94,6 +94,13 @@ class CheckpointEntry(NamedTuple):
     kind: str = "file"
 
 
+def _marker_base(info: dict, step: int) -> int | None:
+    """The base step a distributed checkpoint's marker records (an int >= 0 other than ``step``,
+    with an int ``delta_index`` >= 1), or None when it records none or an invalid one."""
+    b, k = info.get("base"), info.get("delta_index")
+    return b if type(b) is int and 0 <= b != step and type(k) is int and k >= 1 else None
+
+
 class CheckpointManager:
     """Save, list, rotate and load numbered checkpoints in ``directory``.
 
@@ -352,10 +359,7 @@ class CheckpointManager:
                 info = json.loads(f.read(_MARKER_MAX + 1).decode("utf-8"))
         except (OSError, ValueError, RecursionError):
             return None
-        if not isinstance(info, dict):
-            return None
-        b, k = info.get("base"), info.get("delta_index")
-        return b if type(b) is int and 0 <= b != step and type(k) is int and k >= 1 else None
+        return _marker_base(info, step) if isinstance(info, dict) else None
 
     def _write_marker(self, step: int, doc: dict) -> None:
         marker = json.dumps(doc).encode()
@@ -436,8 +440,7 @@ class CheckpointManager:
                 or type(info["metadata_sha256"]) is not str or ("base" in info) != ("delta_index" in info):
             return ("marker of a distributed checkpoint must hold step, dir and metadata_sha256 (str), and "
                     "base with delta_index or neither")
-        if "base" in info and not (type(info["base"]) is int and 0 <= info["base"] != step
-                                   and type(info["delta_index"]) is int and info["delta_index"] >= 1):
+        if "base" in info and _marker_base(info, step) is None:
             return "marker's base must be another step (int >= 0) and its delta_index an int >= 1"
         d = listing.get(_dir_name(step))
         if d is None:

@@ -20,8 +20,8 @@ from ..errors import CorruptFileError
 from ..format import FLAG_STORED_RAW
 from ..io.reader import read_stored
 from ..transforms import RefTransform, Transform, get_transform
-from ..transforms.byteplane import BytePlane, np_decode_onto
-from ..transforms.refs import Delta, Xor, fused_planes
+from ..transforms.byteplane import np_decode_onto
+from ..transforms.refs import Delta, fused_planes, planes_after_ref
 from .memory import PINNED, copy_segments
 from .plan import DEFAULT_WINDOW, codec_key
 
@@ -224,13 +224,10 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     for job, i, j, a, b in grp:
         part = stream[pos:pos + (b - a)]
         dst = job.out[a:b]
-        fz = None
-        if (job.ref is not None and job.tf is not None and isinstance(job.ref, (Xor, Delta)) and job.ref.ref is not None
-                and part.device == dst.device):  # (chunks decoded on the CPU for a GPU tensor: two steps)
-            refb = job.ref.base_slice(a, b - a)
-            fz = fused_planes(job.tf, job.ref, dst, refb, start=False)
-        if fz is not None and fz[0].decode_ref(part, refb, dst, *fz[1:]):
-            pass  # one kernel: planes -> residual -> onto the base (refb may be dst itself)
+        # (chunks decoded on the CPU for a GPU tensor: the two steps)
+        fz = fused_planes(job.tf, job.ref, a, dst, start=False) if part.device == dst.device else None
+        if fz is not None and fz[0].decode_ref(part, fz[1], dst, *fz[2:]):
+            pass  # one kernel: planes -> residual -> onto the base (the reference may be dst itself)
         elif job.ref is not None:
             if job.tf is not None:
                 tmp = torch.empty_like(part)
@@ -292,5 +289,4 @@ def _cpu_untransform(stream: torch.Tensor, grp: list) -> None:
 
 def _fused(tf: Transform | None, ref: RefTransform) -> bool:
     """Whether a CPU ``byteplane`` + ``delta``/``xor`` pair is undone in one cache-blocked pass."""
-    return (isinstance(tf, BytePlane) and isinstance(ref, (Delta, Xor)) and ref.ref is not None
-            and ref.ref.device.type == "cpu" and (not isinstance(ref, Delta) or ref.width == tf.width))
+    return planes_after_ref(tf, ref) and ref.ref.device.type == "cpu"

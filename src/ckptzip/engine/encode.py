@@ -13,7 +13,7 @@ from ..codecs.cpu import pmap
 from ..format import FLAG_STORED_RAW, ROW
 from ..kernels import triton_kernels
 from ..transforms import Transform
-from ..transforms.refs import Delta, Xor, fused_planes
+from ..transforms.refs import fused_planes
 from .memory import PINNED, ceil_align, copy_segments
 from .plan import Unit, codec_key
 
@@ -62,12 +62,9 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
     # (on a GPU, ``xor`` / ``delta`` followed by ``byteplane`` is one fused kernel instead)
     fused: list = [None] * len(units)
     if dev == "cuda":
-        for k, u in enumerate(units):
-            if u.plan.ref is not None and not u.resolved and u.data.numel() and isinstance(u.plan.ref, (Xor, Delta)) \
-                    and u.plan.ref.ref is not None and u.data.device == torch.device("cuda", torch.cuda.current_device()):
-                refb = u.plan.ref.base_slice(u.start, u.data.numel())
-                fz = fused_planes(u.plan.transform, u.plan.ref, u.data, refb)
-                fused[k] = (fz, refb) if fz is not None else None
+        here = torch.device("cuda", torch.cuda.current_device())  # where the group stream is
+        fused = [fused_planes(u.plan.transform, u.plan.ref, u.start, u.data)
+                 if not u.resolved and u.data.numel() and u.data.device == here else None for u in units]
     datas = [u.plan.ref.encode(u.data, start=u.start) if u.plan.ref is not None and not u.resolved
              and u.data.numel() and fused[k] is None else u.data for k, u in enumerate(units)]
     single = len(units) == 1 and units[0].plan.transform is None and datas[0].device.type == dev
@@ -89,7 +86,7 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
                 src = data if data.device.type == dev else data.to(dev)
                 if u.plan.transform is not None and dev == "cpu":
                     cpu_tf.append((u.plan.transform, src, stream[pos:pos + n]))
-                elif fz is not None and fz[0][0].encode_ref(src, fz[1], stream[pos:pos + n], *fz[0][1:]):
+                elif fz is not None and fz[0].encode_ref(src, fz[1], stream[pos:pos + n], *fz[2:]):
                     pass  # one kernel: residual against the base -> planes
                 elif fz is not None:  # the fused kernel is unavailable: the two steps
                     u.plan.transform.encode(u.plan.ref.encode(src, start=u.start), out=stream[pos:pos + n])

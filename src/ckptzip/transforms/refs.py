@@ -612,22 +612,31 @@ class ExpGrid(_ExpPredictor):
 
 
 
-def fused_planes(tf: Transform | None, ref: RefTransform | None, *words: torch.Tensor,
+def planes_after_ref(tf: Transform | None, ref: RefTransform | None) -> bool:
+    """Whether a storage's chain is a bound ``xor`` / ``delta`` then ``byteplane`` of the same word
+    width: the pair the fused paths (CUDA kernels, the CPU's cache-blocked numpy pass) undo or
+    apply in one pass."""
+    return (isinstance(tf, BytePlane) and isinstance(ref, (Xor, Delta)) and ref.ref is not None
+            and (not isinstance(ref, Delta) or ref.width == tf.width))
+
+
+def fused_planes(tf: Transform | None, ref: RefTransform | None, at: int, words: torch.Tensor,
                  start: bool = True) -> tuple | None:
-    """``(kernels, width, block, is_delta)`` when ``byteplane`` after a bound ``xor`` / ``delta``
-    runs as one CUDA kernel (:func:`ckptzip.kernels._triton_bp.encode_ref` / ``decode_ref``; same
-    bytes as the two steps): Triton ready, every tensor in ``words`` (read or written as words:
-    the data or destination and the reference slice) on one GPU, word-aligned, whole words."""
-    if not isinstance(tf, BytePlane) or not isinstance(ref, (Xor, Delta)) or ref.ref is None:
+    """``(kernels, reference slice, width, block, is_delta)`` when ``byteplane`` after a bound
+    ``xor`` / ``delta`` runs as one CUDA kernel on ``words`` (the data to encode, or the
+    destination to decode into, at byte ``at`` of its storage), through
+    :func:`ckptzip.kernels._triton_bp.encode_ref` / ``decode_ref`` (same bytes as the two steps):
+    Triton ready (``start``: see :func:`ckptzip.kernels.triton_kernels`), ``words`` and the
+    reference slice on one GPU, word-aligned, whole words; else None."""
+    if not planes_after_ref(tf, ref):
         return None
     w = tf.width
-    if isinstance(ref, Delta) and ref.width != w:
-        return None
-    if not all(t.is_cuda and t.device == words[0].device and t.data_ptr() % w == 0 and t.numel() % w == 0
-               for t in words) or ref.ref.device != words[0].device:
+    refb = ref.base_slice(at, words.numel())
+    if not all(t.is_cuda and t.device == words.device and t.data_ptr() % w == 0 and t.numel() % w == 0
+               for t in (words, refb)):
         return None
     k = triton_kernels(start=start) if _FUSED_OK else None
-    return (_Fused(k), w, tf.block, isinstance(ref, Delta)) if k is not None else None
+    return (_Fused(k), refb, w, tf.block, isinstance(ref, Delta)) if k is not None else None
 
 
 _FUSED_OK = True  # False once a fused kernel failed to compile: the two steps from then on
