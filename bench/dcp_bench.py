@@ -33,6 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 from gpt import GPT, corpus  # noqa: E402
 
+from ckptzip.storage import start_writeback  # noqa: E402
+
 
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -104,11 +106,11 @@ def disk_ceiling(disk: str, nbytes: int) -> dict:
     n = max(1, nbytes // len(block))
     barrier()
     t = time.perf_counter()
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    for _ in range(n):
-        os.write(fd, block)
-    os.fsync(fd)
-    os.close(fd)
+    with open(p, "wb", buffering=0) as f:  # each write's disk write started at once, as ckptzip does
+        for i in range(n):
+            f.write(block)
+            start_writeback(f, i * len(block), len(block))
+        os.fsync(f.fileno())
     barrier()
     w = time.perf_counter() - t
     drop_caches()

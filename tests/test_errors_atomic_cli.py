@@ -107,6 +107,26 @@ def test_exception_mid_save_keeps_old_file(tmp_path, monkeypatch):
     assert [f.name for f in tmp_path.iterdir()] == ["a.ckz"]  # temp file removed
 
 
+def test_early_writeback_same_bytes(tmp_path, monkeypatch):
+    """Starting each written range's disk write at once (``storage.WRITEBACK``, Linux
+    ``sync_file_range``) changes when bytes reach the disk, never which bytes; other file
+    objects are left alone."""
+    import io
+    from ckptzip import storage
+    calls = []
+    real = storage.start_writeback
+    monkeypatch.setattr("ckptzip.io.writer.start_writeback", lambda f, o, n: (calls.append((o, n)), real(f, o, n)))
+    st = {"a": torch.randn(300_000), "b": torch.arange(1000), "c": torch.randn(70_000).bfloat16()}
+    a, b = tmp_path / "a.ckz", tmp_path / "b.ckz"
+    ckptzip.save(st, a)
+    assert calls and all(n >= 0 for _o, n in calls)
+    monkeypatch.setattr(storage, "WRITEBACK", False)
+    ckptzip.save(st, b)
+    assert a.read_bytes() == b.read_bytes()
+    monkeypatch.setattr(storage, "WRITEBACK", True)
+    storage.start_writeback(io.BytesIO(), 0, 10)  # not a plain file: nothing to do, no error
+
+
 KILLER = r"""
 import sys, torch, ckptzip
 p = sys.argv[1]

@@ -26,6 +26,12 @@ _LOCK = threading.Lock()
 _MAX_OUT: dict = {}  # (codec id, chunk bytes) -> nvCOMP's worst-case compressed size
 
 
+#: zero nvCOMP's output slots before compressing: its ANS compressor leaves a few bytes inside
+#: a chunk unset, so without this the same tensors give files that differ in those bytes (stale
+#: GPU memory of the process); costs 2-3 % of the codec's compress GB/s (H100, docs/benchmarks.md)
+ZERO_OUTPUT = True
+
+
 @functools.lru_cache(maxsize=1)
 def _nvcomp():
     try:
@@ -187,7 +193,8 @@ class NvcompCodec(Codec):
         else:
             caps = [_ceil(self._max_out(nv, codec, int(arr[idx].max())), self._align) for idx in calls]
         counts = [len(arr[idx]) for idx in calls]
-        out = torch.empty(sum(cap * k for cap, k in zip(caps, counts)), dtype=torch.uint8, device=src.device)
+        out = (torch.zeros if ZERO_OUTPUT else torch.empty)(
+            sum(cap * k for cap, k in zip(caps, counts)), dtype=torch.uint8, device=src.device)
         out_offs = np.zeros(len(arr), dtype=np.int64)
         slot = np.zeros(len(arr), dtype=np.int64)
         got = np.zeros(len(arr), dtype=np.int64)

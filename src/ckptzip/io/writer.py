@@ -13,6 +13,7 @@ import torch
 from ..engine.encode import Encoded, stage_encoded
 from ..engine.memory import ALIGN, PINNED
 from ..format import ROW, checksum
+from ..storage import start_writeback
 from .reader import checksums
 
 _ZEROS = memoryview(bytes(ALIGN))
@@ -81,6 +82,7 @@ class ChunkWriter:
                 if p:
                     parts.append(_ZEROS[:p])
             _write_all(self.f, parts)
+            start_writeback(self.f, start - pad0, total + pad0)
             self.pos = start + total
             self.rows.append(block)
             return
@@ -138,6 +140,7 @@ class ChunkWriter:
                         rel = (block["offset"] - start).astype(np.int64)
                         block["xxh3"] = checksums(h, rel.tolist(), block["stored"].astype(np.int64).tolist())
                     self.f.write(memoryview(h))
+                    start_writeback(self.f, start, h.nbytes)
             except BaseException as e:  # surfaced in the main thread
                 self._err = e
             finally:
