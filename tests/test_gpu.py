@@ -239,7 +239,7 @@ def test_fused_reference_planes_match_two_steps(dtype, kind, n, block):
     bp = transforms.BytePlane(w, block)
     rt = (Delta(0, 0, w) if kind == "delta" else Xor(0, 0)).bind(bb)
     fz = fused_planes(bp, rt, 0, xb)
-    assert fz is not None and fz[1:] == (w, block, kind == "delta")
+    assert fz is not None and fz[2:] == (w, block, kind == "delta") and torch.equal(fz[1], bb)
     kern = fz[0]
     want = bp.encode(rt.bind(bb.cpu()).encode(xb.cpu()))
     got = torch.empty_like(xb)
