@@ -12,67 +12,25 @@ _U = {2: (torch.int16, tl.uint16), 4: (torch.int32, tl.uint32), 8: (torch.int64,
 TILE = 2048
 
 
-@triton.jit
-def _enc(src, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.constexpr, TILE: tl.constexpr):
-    idx = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
-    mask = idx < n
-    u = tl.load(src + idx, mask=mask).to(UT, bitcast=True)
-    r = (u << 1) | (u >> (BITS - 1))
-    b = idx // block
-    j = idx - b * block
-    m = tl.minimum(block, n - b * block)
-    base = b * block * W + j
-    for k in tl.static_range(W):
-        tl.store(dst + base + k * m, ((r >> (8 * k)) & 0xFF).to(tl.uint8), mask=mask)
+#: what a kernel does besides the byte planes: nothing, ``xor`` against a reference, or
+#: ``delta``'s sign-folded difference (a constexpr: each mode compiles to its own kernel)
+PLAIN, XOR, DELTA = 0, 1, 2
 
 
 @triton.jit
-def _dec(src, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.constexpr, TILE: tl.constexpr):
+def _enc(src, ref, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.constexpr, TILE: tl.constexpr,
+         MODE: tl.constexpr):
+    """Byte planes of ``src`` (MODE 0), or of its residual against ``ref``: ``xor`` (1), or
+    ``delta``'s folded difference (2)."""
     idx = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
     mask = idx < n
-    b = idx // block
-    j = idx - b * block
-    m = tl.minimum(block, n - b * block)
-    base = b * block * W + j
-    r = tl.zeros([TILE], dtype=UT)
-    for k in tl.static_range(W):
-        byte = tl.load(src + base + k * m, mask=mask).to(UT)
-        r = r | (byte << (8 * k))
-    u = (r >> 1) | (r << (BITS - 1))
-    tl.store(dst + idx, u, mask=mask)
-
-
-def encode(src: torch.Tensor, width: int, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    it, ut = _U[width]
-    n = src.numel() // width
-    out = torch.empty_like(src) if out is None else out
-    if n:
-        _enc[(triton.cdiv(n, TILE),)](src.view(it), out, n, block, W=width, BITS=8 * width, UT=ut, TILE=TILE)
-    return out
-
-
-def decode(src: torch.Tensor, dst: torch.Tensor, width: int, block: int) -> None:
-    it, ut = _U[width]
-    n = src.numel() // width
-    if n:
-        d = dst.view(it)
-        _dec[(triton.cdiv(n, TILE),)](src, d, n, block, W=width, BITS=8 * width, UT=ut, TILE=TILE)
-
-
-@triton.jit
-def _enc_ref(src, ref, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.constexpr, TILE: tl.constexpr,
-             DELTA: tl.constexpr):
-    """``_enc`` of the residual of ``src`` against ``ref``: ``xor``, or ``delta``'s folded difference."""
-    idx = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
-    mask = idx < n
-    u = tl.load(src + idx, mask=mask).to(UT, bitcast=True)
-    v = tl.load(ref + idx, mask=mask).to(UT, bitcast=True)
-    if DELTA:
-        d = u - v
+    d = tl.load(src + idx, mask=mask).to(UT, bitcast=True)
+    if MODE == 1:
+        d = d ^ tl.load(ref + idx, mask=mask).to(UT, bitcast=True)
+    elif MODE == 2:
+        d = d - tl.load(ref + idx, mask=mask).to(UT, bitcast=True)
         top = d >> (BITS - 1)
         d = d ^ ((top << (BITS - 1)) - top)  # the low bits inverted where the top bit is set
-    else:
-        d = u ^ v
     r = (d << 1) | (d >> (BITS - 1))
     b = idx // block
     j = idx - b * block
@@ -83,10 +41,11 @@ def _enc_ref(src, ref, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: t
 
 
 @triton.jit
-def _dec_ref(src, ref, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.constexpr, TILE: tl.constexpr,
-             DELTA: tl.constexpr):
-    """``_dec`` followed by undoing ``xor`` / ``delta`` against ``ref`` (which may be ``dst``
-    itself: each word is read before it is written, by the same program)."""
+def _dec(src, ref, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.constexpr, TILE: tl.constexpr,
+         MODE: tl.constexpr):
+    """Inverse of ``_enc``: the words from their planes, then (MODE 1, 2) ``xor`` / ``delta``
+    against ``ref`` undone (``ref`` may be ``dst`` itself: each word is read before it is
+    written, by the same program)."""
     idx = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
     mask = idx < n
     b = idx // block
@@ -98,33 +57,44 @@ def _dec_ref(src, ref, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: t
         byte = tl.load(src + base + k * m, mask=mask).to(UT)
         r = r | (byte << (8 * k))
     d = (r >> 1) | (r << (BITS - 1))
-    v = tl.load(ref + idx, mask=mask).to(UT, bitcast=True)
-    if DELTA:
+    if MODE == 1:
+        d = d ^ tl.load(ref + idx, mask=mask).to(UT, bitcast=True)
+    elif MODE == 2:
         top = d >> (BITS - 1)
-        d = d ^ ((top << (BITS - 1)) - top)
-        out = v + d
-    else:
-        out = v ^ d
-    tl.store(dst + idx, out, mask=mask)
+        d = tl.load(ref + idx, mask=mask).to(UT, bitcast=True) + (d ^ ((top << (BITS - 1)) - top))
+    tl.store(dst + idx, d, mask=mask)
+
+
+def _launch(kernel, src: torch.Tensor, ref: torch.Tensor, dst: torch.Tensor, n: int, width: int, block: int,
+            mode: int) -> None:
+    if n:
+        kernel[(triton.cdiv(n, TILE),)](src, ref, dst, n, block, W=width, BITS=8 * width, UT=_U[width][1],
+                                        TILE=TILE, MODE=mode)
+
+
+def encode(src: torch.Tensor, width: int, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    out = torch.empty_like(src) if out is None else out
+    words = src.view(_U[width][0])
+    _launch(_enc, words, words, out, src.numel() // width, width, block, PLAIN)
+    return out
+
+
+def decode(src: torch.Tensor, dst: torch.Tensor, width: int, block: int) -> None:
+    d = dst.view(_U[width][0])
+    _launch(_dec, src, d, d, src.numel() // width, width, block, PLAIN)
 
 
 def encode_ref(src: torch.Tensor, ref: torch.Tensor, out: torch.Tensor, width: int, block: int, delta: bool) -> None:
     """``byteplane(width, block)`` of ``xor(src, ref)`` (or of ``delta``'s residual when
     ``delta``) into ``out``, in one pass. All flat uint8 CUDA tensors of one size, word-aligned."""
-    it, ut = _U[width]
-    n = src.numel() // width
-    if n:
-        _enc_ref[(triton.cdiv(n, TILE),)](src.view(it), ref.view(it), out, n, block, W=width, BITS=8 * width,
-                                          UT=ut, TILE=TILE, DELTA=delta)
+    it = _U[width][0]
+    _launch(_enc, src.view(it), ref.view(it), out, src.numel() // width, width, block, DELTA if delta else XOR)
 
 
 def decode_ref(src: torch.Tensor, ref: torch.Tensor, dst: torch.Tensor, width: int, block: int, delta: bool) -> None:
     """Inverse of :func:`encode_ref`: ``dst = ref (+|^) residual(planes src)``; ``ref`` may be ``dst``."""
-    it, ut = _U[width]
-    n = src.numel() // width
-    if n:
-        _dec_ref[(triton.cdiv(n, TILE),)](src, ref.view(it), dst.view(it), n, block, W=width, BITS=8 * width,
-                                          UT=ut, TILE=TILE, DELTA=delta)
+    it = _U[width][0]
+    _launch(_dec, src, ref.view(it), dst.view(it), src.numel() // width, width, block, DELTA if delta else XOR)
 
 
 SEG_TILE = 1 << 18
