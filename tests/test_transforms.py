@@ -42,6 +42,12 @@ def test_byteplane_numpy_and_torch_paths_agree(width, n, block):
     a = bp.encode(raw)
     b = bp._torch_encode(raw, torch.empty_like(raw))
     assert torch.equal(a, b)
+    import ckptzip.transforms.byteplane as bpm
+    piece, bpm._TORCH_PIECE = bpm._TORCH_PIECE, 3 * block * width + 1  # pieces of 3 whole blocks
+    try:
+        assert torch.equal(bp._torch_encode(raw, torch.empty_like(raw)), a)
+    finally:
+        bpm._TORCH_PIECE = piece
     x, y = torch.empty_like(raw), torch.empty_like(raw)
     bp.decode(a, x)
     bp._torch_decode(a, y)

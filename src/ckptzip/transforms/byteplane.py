@@ -21,6 +21,8 @@ from ..kernels import triton_kernels
 from .base import Transform, register
 
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: source bytes per step of the torch path (whole blocks; a block may be larger)
+_TORCH_PIECE = 16 << 20
 
 
 @register
@@ -74,6 +76,16 @@ class BytePlane(Transform):
         return self._torch_encode(src, out)
 
     def _torch_encode(self, src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Torch ops (a GPU save before the kernels are compiled), in pieces of whole blocks of at
+        most ``_TORCH_PIECE`` bytes, so that the temporaries of the rotation stay small (a whole
+        256 MiB window at once took two more windows of GPU memory)."""
+        w, b = self.width, self.block
+        step = max(1, _TORCH_PIECE // (b * w)) * b * w
+        for a in range(0, src.numel(), step):
+            self._torch_encode_piece(src[a:a + step], out[a:a + step])
+        return out
+
+    def _torch_encode_piece(self, src: torch.Tensor, out: torch.Tensor) -> None:
         w, b = self.width, self.block
         n = src.numel() // w
         bits = 8 * w
@@ -89,7 +101,6 @@ class BytePlane(Transform):
             out[: full * w].view(nb, w, b).copy_(rb[:full].view(nb, b, w).permute(0, 2, 1))
         if n > full:
             out[full * w:].view(w, n - full).copy_(rb[full:].t())
-        return out
 
     def decode(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Inverse of :meth:`encode`, written into the preallocated uint8 ``dst``."""
