@@ -173,3 +173,24 @@ def test_loads_do_not_start_the_kernel_warmup(monkeypatch):
     monkeypatch.delenv("CKPTZIP_TRITON_WARMUP", raising=False)
     assert kernels.triton_kernels(start=False) is None and started == []
     assert kernels.triton_kernels() is None and started == [1]
+
+
+def test_scratch_heavy_codecs_get_smaller_gpu_windows():
+    """GPU zstd / deflate saves (portable, slow storage, or named) plan half-size windows, and
+    their compress calls are cut so that nvCOMP's scratch stays bounded (its zstd asked for
+    1,488 MiB for one 256 MiB window)."""
+    from ckptzip.codecs.gpu import _split_calls
+    from ckptzip.engine.planner import Planner
+    assert engine.gpu_window(1 << 30) == 256 << 20
+    assert engine.gpu_window(1 << 30, scratch_heavy=True) == 128 << 20
+    assert engine.gpu_window(1 << 20, scratch_heavy=True) == 1 << 20
+    heavy = [Planner("auto", device="cuda", portable=True), Planner("zstd", device="cuda"),
+             Planner("auto", device="cuda", storage_gbps=1.0)]
+    light = [Planner("auto", device="cuda"), Planner("ans", device="cuda"), Planner("zstd", device="cpu")]
+    assert all(p.scratch_heavy for p in heavy) and not any(p.scratch_heavy for p in light)
+    arr = np.array([1 << 20] * 100 + [5000] * 7, dtype=np.int64)
+    calls = [np.arange(100, 107), np.arange(100)]
+    runs = _split_calls(calls, arr, 32 << 20)
+    assert sorted(np.concatenate(runs).tolist()) == list(range(107))
+    assert all(arr[r].sum() <= (32 << 20) + arr.max() for r in runs) and len(runs) == 5
+    assert _split_calls([slice(None)], arr[:10], 32 << 20) == [slice(None)]

@@ -54,7 +54,7 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
     root = enc.encode(obj)
     planner = Planner(codec, transform, chunk_size, level, device, portable, storage_gbps)
     if window is None:
-        window = gpu_window() if planner.dev == "cuda" else DEFAULT_WINDOW
+        window = gpu_window(scratch_heavy=planner.scratch_heavy) if planner.dev == "cuda" else DEFAULT_WINDOW
     ref_tfs: dict = {}
     if derive and transform == "auto":
         from .engine.refplan import find_derived, find_expgrid, find_expref

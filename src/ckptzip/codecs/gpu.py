@@ -87,6 +87,22 @@ def _ceil(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
+def _split_calls(calls: list, arr: np.ndarray, limit: int) -> list:
+    """Each call's chunk indices cut, in order, into runs: a new run starts at every ``limit``
+    input bytes (so a run holds at most ``limit`` bytes plus one chunk)."""
+    out = []
+    for idx in calls:
+        ii = np.arange(len(arr))[idx]
+        cs = np.cumsum(arr[ii])
+        if cs[-1] <= limit:
+            out.append(idx)
+            continue
+        run = (cs - arr[ii]) // limit  # which run a chunk starts in
+        cuts = np.nonzero(np.diff(run))[0] + 1
+        out.extend(np.split(ii, cuts))
+    return out
+
+
 def _packed(sizes, a: int) -> tuple[list[int], int]:
     """Offsets that pack chunks of ``sizes`` back to back, each ``a``-aligned, and the total."""
     offs, pos = [], 0
@@ -108,6 +124,9 @@ class NvcompCodec(Codec):
 
     #: name in nvCOMP's C API when this codec is called through it (see ``_capi``), else None
     capi: ClassVar[str | None] = None
+    #: the most input bytes one compress call gets, where nvCOMP's scratch grows with them
+    #: (None: no limit). Zstd asked for 1,488 MiB of scratch for a 256 MiB window (H100)
+    call_bytes: ClassVar[int | None] = None
     #: whether decoding goes through the C API too. Not for Zstd: its decoder's scratch depends
     #: on each frame's window size, which GetTempSize cannot know, and a hostile frame (a
     #: decompression bomb) aborted the process through the C API; the binding sizes it per call.
@@ -188,6 +207,8 @@ class NvcompCodec(Codec):
         small = arr <= SMALL_CHUNK
         calls = [idx if len(idx) < len(arr) else slice(None) for idx in
                  (np.nonzero(m)[0] for m in (small, ~small)) if len(idx)]
+        if self.call_bytes:
+            calls = _split_calls(calls, arr, self.call_bytes)
         if c is not None:
             caps = [_ceil(_capi.max_output(self.capi, bytes(c[0]), int(arr[idx].max())), self._align) for idx in calls]
         else:
@@ -293,6 +314,7 @@ ANSGPU = _gpu_codec("ans", "ANS", ("data_type",), _dtypes(("|u1", "<f2", "<f4", 
                     ("max_sub_chunk_count",))
 ZstdGPU = _gpu_codec("zstd", "Zstd")
 ANSGPU.capi, ZstdGPU.capi = "ANS", "Zstd"
+ZstdGPU.call_bytes = 32 << 20  # ~190 MiB of scratch a call
 ZstdGPU.capi_decode = False
 DeflateGPU = _gpu_codec("deflate", "Deflate")
 GDeflateGPU = _gpu_codec("gdeflate", "GDeflate")

@@ -41,17 +41,19 @@ def gpu_decode_window(budget: int | None = None) -> int:
     return min(64 << 20, gpu_window(budget))
 
 
-def gpu_window(budget: int | None = None) -> int:
+def gpu_window(budget: int | None = None, scratch_heavy: bool = False) -> int:
     """Window bytes for GPU work: peak extra memory is under 4 windows (the transformed window,
     compressed output at nvCOMP's worst-case size, gather and staging slices), kept under
     ``budget`` (default: the smaller of 1 GiB and 10 % of free GPU memory). Windows are as large
     as that allows because nvCOMP's throughput grows with the bytes per call: ANS on H100 ran at
     ~50 GB/s with 16 MB per call, ~150 with 64 MB and 300-400 with 256 MB
-    (bench/probe_throughput.py)."""
+    (bench/probe_throughput.py). ``scratch_heavy`` (GPU zstd / deflate saves): half that, since
+    those codecs also need a copy of the window with aligned chunks and nvCOMP scratch (capped
+    per call, ``NvcompCodec.call_bytes``), and their 5-8 GB/s do not grow with larger calls."""
     if budget is None:
         from .memory import free_gpu_bytes
         budget = min(1 << 30, free_gpu_bytes() // 10)
-    return max(1 << 20, (budget // 4) >> 20 << 20)
+    return max(1 << 20, (budget // (8 if scratch_heavy else 4)) >> 20 << 20)
 
 
 

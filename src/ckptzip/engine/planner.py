@@ -110,6 +110,16 @@ class Planner:
         self.slow_storage = storage_gbps is not None and storage_gbps < GPU_ZSTD_GBPS
         self._codecs: dict = {}
 
+    @property
+    def scratch_heavy(self) -> bool:
+        """Whether GPU saves may use a codec whose nvCOMP scratch and aligned copies need smaller
+        windows (zstd, deflate: see :func:`ckptzip.engine.plan.gpu_window`)."""
+        if self.dev != "cuda":
+            return False
+        if self.auto:
+            return self.portable or self.slow_storage
+        return self.cfg["id"] in ("zstd", "deflate", "gdeflate")
+
     def codec(self, cfg: dict, local: dict | None = None) -> Codec:
         key = (repr(sorted(cfg.items())), repr(sorted((local or {}).items())))
         if key not in self._codecs:
