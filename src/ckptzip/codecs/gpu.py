@@ -88,18 +88,15 @@ def _ceil(x: int, a: int) -> int:
 
 
 def _split_calls(calls: list, arr: np.ndarray, limit: int) -> list:
-    """Each call's chunk indices cut, in order, into runs: a new run starts at every ``limit``
-    input bytes (so a run holds at most ``limit`` bytes plus one chunk)."""
+    """Each call's chunk indices cut, in order, into runs whose chunk count times the call's
+    largest chunk is at most ``limit`` (at least one chunk a run): nvCOMP sizes its scratch by
+    that product, not by the bytes in the call (a save's sampling of many small chunks of up to
+    1 MiB asked Zstd for 2,252 MiB)."""
     out = []
     for idx in calls:
         ii = np.arange(len(arr))[idx]
-        cs = np.cumsum(arr[ii])
-        if cs[-1] <= limit:
-            out.append(idx)
-            continue
-        run = (cs - arr[ii]) // limit  # which run a chunk starts in
-        cuts = np.nonzero(np.diff(run))[0] + 1
-        out.extend(np.split(ii, cuts))
+        k = max(1, limit // int(arr[ii].max()))
+        out.extend([idx] if len(ii) <= k else [ii[a:a + k] for a in range(0, len(ii), k)])
     return out
 
 
@@ -124,8 +121,8 @@ class NvcompCodec(Codec):
 
     #: name in nvCOMP's C API when this codec is called through it (see ``_capi``), else None
     capi: ClassVar[str | None] = None
-    #: the most input bytes one compress call gets, where nvCOMP's scratch grows with them
-    #: (None: no limit). Zstd asked for 1,488 MiB of scratch for a 256 MiB window (H100)
+    #: the most chunks x largest chunk bytes one compress call gets, where nvCOMP's scratch grows
+    #: with them (None: no limit). Zstd asked for 1,488 MiB of scratch for a 256 MiB window (H100)
     call_bytes: ClassVar[int | None] = None
     #: whether decoding goes through the C API too. Not for Zstd: its decoder's scratch depends
     #: on each frame's window size, which GetTempSize cannot know, and a hostile frame (a
