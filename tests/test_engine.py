@@ -190,9 +190,10 @@ def test_scratch_heavy_codecs_get_smaller_gpu_windows():
     assert all(p.scratch_heavy for p in heavy) and not any(p.scratch_heavy for p in light)
     arr = np.array([1 << 20] * 100 + [5000] * 7, dtype=np.int64)
     calls = [np.arange(100, 107), np.arange(100)]
-    runs = _split_calls(calls, arr, 32 << 20)
+    runs = _split_calls(calls, arr, 32 << 20, 1 << 30)
     assert sorted(np.concatenate(runs).tolist()) == list(range(107))
     assert all(len(r) * arr[r].max() <= (32 << 20) for r in runs) and len(runs) == 5
     mixed = np.array([1 << 20] + [100] * 99, dtype=np.int64)  # scratch follows count x largest
-    assert [len(r) for r in _split_calls([slice(None)], mixed, 32 << 20)] == [32, 32, 32, 4]
-    assert _split_calls([slice(None)], arr[:10], 32 << 20) == [slice(None)]
+    assert [len(r) for r in _split_calls([slice(None)], mixed, 32 << 20, 1 << 30)] == [32, 32, 32, 4]
+    assert [len(r) for r in _split_calls([np.arange(1, 100)], mixed, 32 << 20, 40)] == [40, 40, 19]
+    assert _split_calls([slice(None)], arr[:10], 32 << 20, 1 << 30) == [slice(None)]

@@ -87,15 +87,15 @@ def _ceil(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
-def _split_calls(calls: list, arr: np.ndarray, limit: int) -> list:
-    """Each call's chunk indices cut, in order, into runs whose chunk count times the call's
-    largest chunk is at most ``limit`` (at least one chunk a run): nvCOMP sizes its scratch by
-    that product, not by the bytes in the call (a save's sampling of many small chunks of up to
-    1 MiB asked Zstd for 2,252 MiB)."""
+def _split_calls(calls: list, arr: np.ndarray, limit: int, max_chunks: int) -> list:
+    """Each call's chunk indices cut, in order, into runs of at most ``max_chunks`` chunks whose
+    count times the call's largest chunk is at most ``limit`` (at least one chunk a run): nvCOMP
+    sizes its scratch per chunk (Zstd on an H100: 1,488 MiB for 256 chunks of 1 MiB, 1,126 MiB
+    for 512 chunks of up to 64 KiB)."""
     out = []
     for idx in calls:
         ii = np.arange(len(arr))[idx]
-        k = max(1, limit // int(arr[ii].max()))
+        k = max(1, min(max_chunks, limit // int(arr[ii].max())))
         out.extend([idx] if len(ii) <= k else [ii[a:a + k] for a in range(0, len(ii), k)])
     return out
 
@@ -121,9 +121,10 @@ class NvcompCodec(Codec):
 
     #: name in nvCOMP's C API when this codec is called through it (see ``_capi``), else None
     capi: ClassVar[str | None] = None
-    #: the most chunks x largest chunk bytes one compress call gets, where nvCOMP's scratch grows
-    #: with them (None: no limit). Zstd asked for 1,488 MiB of scratch for a 256 MiB window (H100)
+    #: where nvCOMP's compress scratch grows with the chunks per call: the most chunks x largest
+    #: chunk bytes, and the most chunks, one call gets (None: no limit; see :func:`_split_calls`)
     call_bytes: ClassVar[int | None] = None
+    call_chunks: ClassVar[int] = 1 << 30
     #: whether decoding goes through the C API too. Not for Zstd: its decoder's scratch depends
     #: on each frame's window size, which GetTempSize cannot know, and a hostile frame (a
     #: decompression bomb) aborted the process through the C API; the binding sizes it per call.
@@ -205,7 +206,7 @@ class NvcompCodec(Codec):
         calls = [idx if len(idx) < len(arr) else slice(None) for idx in
                  (np.nonzero(m)[0] for m in (small, ~small)) if len(idx)]
         if self.call_bytes:
-            calls = _split_calls(calls, arr, self.call_bytes)
+            calls = _split_calls(calls, arr, self.call_bytes, self.call_chunks)
         if c is not None:
             caps = [_ceil(_capi.max_output(self.capi, bytes(c[0]), int(arr[idx].max())), self._align) for idx in calls]
         else:
@@ -311,7 +312,7 @@ ANSGPU = _gpu_codec("ans", "ANS", ("data_type",), _dtypes(("|u1", "<f2", "<f4", 
                     ("max_sub_chunk_count",))
 ZstdGPU = _gpu_codec("zstd", "Zstd")
 ANSGPU.capi, ZstdGPU.capi = "ANS", "Zstd"
-ZstdGPU.call_bytes = 32 << 20  # ~190 MiB of scratch a call
+ZstdGPU.call_bytes, ZstdGPU.call_chunks = 32 << 20, 32  # <= ~190 MiB of scratch a call
 ZstdGPU.capi_decode = False
 DeflateGPU = _gpu_codec("deflate", "Deflate")
 GDeflateGPU = _gpu_codec("gdeflate", "GDeflate")
