@@ -312,7 +312,7 @@ ANSGPU = _gpu_codec("ans", "ANS", ("data_type",), _dtypes(("|u1", "<f2", "<f4", 
                     ("max_sub_chunk_count",))
 ZstdGPU = _gpu_codec("zstd", "Zstd")
 ANSGPU.capi, ZstdGPU.capi = "ANS", "Zstd"
-ZstdGPU.call_bytes, ZstdGPU.call_chunks = 32 << 20, 32  # <= ~190 MiB of scratch a call
+ZstdGPU.call_bytes, ZstdGPU.call_chunks = 32 << 20, 64  # <= ~370 MiB of scratch a call (<= 5.8 MiB a chunk)
 ZstdGPU.capi_decode = False
 DeflateGPU = _gpu_codec("deflate", "Deflate")
 GDeflateGPU = _gpu_codec("gdeflate", "GDeflate")

@@ -68,14 +68,14 @@ def _probes_hold(refs: list[StorageRef], pairs: list[tuple[int, int, str]]) -> b
     groups: dict[tuple, list[tuple[int, int]]] = {}
     for t, s, to in pairs:
         groups.setdefault((refs[t].data.device, refs[t].data.numel() // 2, to), []).append((t, s))
-    oks = []
+    oks: dict = {}
     for (dev, n, to), ts in groups.items():
         idx = _probe_idx(n, dev)
         src = torch.stack([refs[s].data.view(torch.float32)[idx] for _t, s in ts])
         tgt = torch.stack([refs[t].data.view(torch.int16)[idx] for t, _s in ts])
         pred = cast16(src.contiguous().view(-1).view(torch.uint8), to).view(len(ts), -1)
-        oks.append(((tgt == pred).sum(-1) >= (1 - MAX_EXCEPTIONS) * idx.numel()).all())
-    return all(bool(x) for x in oks)
+        oks.setdefault(dev, []).append(((tgt == pred).sum(-1) >= (1 - MAX_EXCEPTIONS) * idx.numel()).all())
+    return all(bool(torch.stack(xs).all()) for xs in oks.values())
 
 
 def find_derived(refs: list[StorageRef], reuse: bool = False) -> dict[int, Derived]:
