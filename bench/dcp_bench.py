@@ -98,7 +98,8 @@ def drop_caches():
 
 
 def disk_ceiling(disk: str, nbytes: int) -> dict:
-    """What the disk gives every rank at once: each rank writes ``nbytes`` (64 MiB writes, fsync)
+    """What the disk gives every rank at once: each rank writes ``nbytes`` (64 MiB writes, each
+    one's disk write started at once as ckptzip's writer does, then fsync)
     to a file of its own, then reads it back with the page cache dropped. GB/s over all ranks."""
     os.makedirs(disk, exist_ok=True)
     p = os.path.join(disk, f"ceiling_{rank()}.bin")

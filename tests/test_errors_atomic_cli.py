@@ -108,18 +108,27 @@ def test_exception_mid_save_keeps_old_file(tmp_path, monkeypatch):
 
 
 def test_early_writeback_same_bytes(tmp_path, monkeypatch):
-    """Starting each written range's disk write at once (``storage.WRITEBACK``, Linux
-    ``sync_file_range``) changes when bytes reach the disk, never which bytes; other file
-    objects are left alone."""
+    """Starting the disk write of written ranges at once (``storage.WRITEBACK``, Linux
+    ``sync_file_range``) changes when bytes reach the disk, never which bytes: whole pages,
+    in order, never twice; not for saves without fsync; other file objects are left alone."""
     import io
     from ckptzip import storage
+    import ckptzip.io.writer as writer
     calls = []
     real = storage.start_writeback
-    monkeypatch.setattr("ckptzip.io.writer.start_writeback", lambda f, o, n: (calls.append((o, n)), real(f, o, n)))
+    monkeypatch.setattr(writer, "start_writeback", lambda f, o, n: (calls.append((o, n)), real(f, o, n)))
+    monkeypatch.setattr(writer, "WRITEBACK_MIN", 4096)
     st = {"a": torch.randn(300_000), "b": torch.arange(1000), "c": torch.randn(70_000).bfloat16()}
-    a, b = tmp_path / "a.ckz", tmp_path / "b.ckz"
+    a, b, c = tmp_path / "a.ckz", tmp_path / "b.ckz", tmp_path / "c.ckz"
     ckptzip.save(st, a)
-    assert calls and all(n >= 0 for _o, n in calls)
+    assert calls and calls[0][0] == 0
+    for (o, n), (o2, _n2) in zip(calls, calls[1:] + [(None, None)]):
+        assert o % writer._PAGE == 0 and n % writer._PAGE == 0 and n >= 4096
+        assert o2 is None or o2 == o + n
+    assert sum(n for _o, n in calls) <= a.stat().st_size
+    calls.clear()
+    ckptzip.save(st, c, fsync=False)
+    assert not calls and c.read_bytes() == a.read_bytes()
     monkeypatch.setattr(storage, "WRITEBACK", False)
     ckptzip.save(st, b)
     assert a.read_bytes() == b.read_bytes()

@@ -93,7 +93,7 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
         # the lowest minor the file's features need (docs/format.md): 1 for bases, else its transforms'
         minor = max([p.ref.minor for p in prep.plans if p.ref is not None] + [1 if prep.bases else 0])
         f.write(pack_header(minor))
-        w = ChunkWriter(f, HEADER_SIZE)
+        w = ChunkWriter(f, HEADER_SIZE, writeback=fsync)
         try:
             for gi, grp in enumerate(prep.groups):
                 if staged is not None and staged[gi] is not None:

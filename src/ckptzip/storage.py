@@ -51,20 +51,24 @@ _SYNC_FILE_RANGE_WRITE = 2
 _sfr = None
 
 
+_SFR_LOCK = threading.Lock()
+
+
 def _sync_file_range():
     global _sfr
     if _sfr is None:
-        _sfr = False
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
-                libc = ctypes.CDLL(None, use_errno=True)
-                fn = libc.sync_file_range
-                fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-                fn.restype = ctypes.c_int
+        with _SFR_LOCK:
+            if _sfr is None:
+                fn = False
+                if sys.platform.startswith("linux"):
+                    try:
+                        import ctypes
+                        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+                        fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+                        fn.restype = ctypes.c_int
+                    except (OSError, AttributeError):
+                        fn = False
                 _sfr = fn
-            except (OSError, AttributeError):
-                pass
     return _sfr
 
 

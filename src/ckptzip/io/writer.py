@@ -18,6 +18,11 @@ from .reader import checksums
 
 _ZEROS = memoryview(bytes(ALIGN))
 _IOV_MAX = 1024
+#: the disk write of written bytes is started (``storage.start_writeback``) in page-aligned
+#: ranges of at least this many bytes: a partial page handed over would be written into again
+#: by the next window (stable-page file systems then wait for its I/O)
+WRITEBACK_MIN = 8 << 20
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _write_all(f, parts: list) -> None:
@@ -47,8 +52,10 @@ class ChunkWriter:
     that checksums and writes them, so the disk write of one window overlaps the compression of
     the next; at most two windows are in flight."""
 
-    def __init__(self, f, pos: int) -> None:
+    def __init__(self, f, pos: int, writeback: bool = True) -> None:
         self.f, self.pos, self.rows = f, pos, []
+        #: start the disk write of written ranges early (saves that fsync); where it is done up to
+        self._wb, self._flushed = writeback, 0
         self._q: queue.Queue | None = None
         self._free: queue.Queue = queue.Queue()
         self._err: BaseException | None = None
@@ -82,8 +89,8 @@ class ChunkWriter:
                 if p:
                     parts.append(_ZEROS[:p])
             _write_all(self.f, parts)
-            start_writeback(self.f, start - pad0, total + pad0)
             self.pos = start + total
+            self._written(self.pos)
             self.rows.append(block)
             return
         slot = self._slot()
@@ -139,14 +146,23 @@ class ChunkWriter:
                     if block is not None:
                         rel = (block["offset"] - start).astype(np.int64)
                         block["xxh3"] = checksums(h, rel.tolist(), block["stored"].astype(np.int64).tolist())
-                    self.f.write(memoryview(h))
-                    start_writeback(self.f, start, h.nbytes)
+                    _write_all(self.f, [memoryview(h)])  # (a short write is resumed)
+                    self._written(start + h.nbytes)
             except BaseException as e:  # surfaced in the main thread
                 self._err = e
             finally:
                 if slot is not None:  # (flow-control token, pinned buffer to give back)
                     PINNED.release(slot[1])
                     self._free.put(slot[0])
+
+    def _written(self, end: int) -> None:
+        """Bytes up to ``end`` are written: start the disk write of the whole pages not yet
+        handed over, once there are :data:`WRITEBACK_MIN` bytes of them (one thread at a time:
+        the writer thread, or the caller's before it starts)."""
+        upto = end // _PAGE * _PAGE
+        if self._wb and upto - self._flushed >= WRITEBACK_MIN:
+            start_writeback(self.f, self._flushed, upto - self._flushed)
+            self._flushed = upto
 
     def _check(self) -> None:
         if self._err is not None:

@@ -74,27 +74,31 @@ def _launch(kernel, src: torch.Tensor, ref: torch.Tensor, dst: torch.Tensor, n: 
 
 def encode(src: torch.Tensor, width: int, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.empty_like(src) if out is None else out
-    words = src.view(_U[width][0])
-    _launch(_enc, words, words, out, src.numel() // width, width, block, PLAIN)
+    if src.numel() >= width:  # (an empty slice need not be word-aligned: no views of it)
+        words = src.view(_U[width][0])
+        _launch(_enc, words, words, out, src.numel() // width, width, block, PLAIN)
     return out
 
 
 def decode(src: torch.Tensor, dst: torch.Tensor, width: int, block: int) -> None:
-    d = dst.view(_U[width][0])
-    _launch(_dec, src, d, d, src.numel() // width, width, block, PLAIN)
+    if src.numel() >= width:
+        d = dst.view(_U[width][0])
+        _launch(_dec, src, d, d, src.numel() // width, width, block, PLAIN)
 
 
 def encode_ref(src: torch.Tensor, ref: torch.Tensor, out: torch.Tensor, width: int, block: int, delta: bool) -> None:
     """``byteplane(width, block)`` of ``xor(src, ref)`` (or of ``delta``'s residual when
     ``delta``) into ``out``, in one pass. All flat uint8 CUDA tensors of one size, word-aligned."""
-    it = _U[width][0]
-    _launch(_enc, src.view(it), ref.view(it), out, src.numel() // width, width, block, DELTA if delta else XOR)
+    if src.numel() >= width:
+        it = _U[width][0]
+        _launch(_enc, src.view(it), ref.view(it), out, src.numel() // width, width, block, DELTA if delta else XOR)
 
 
 def decode_ref(src: torch.Tensor, ref: torch.Tensor, dst: torch.Tensor, width: int, block: int, delta: bool) -> None:
     """Inverse of :func:`encode_ref`: ``dst = ref (+|^) residual(planes src)``; ``ref`` may be ``dst``."""
-    it = _U[width][0]
-    _launch(_dec, src, ref.view(it), dst.view(it), src.numel() // width, width, block, DELTA if delta else XOR)
+    if src.numel() >= width:
+        it = _U[width][0]
+        _launch(_dec, src, ref.view(it), dst.view(it), src.numel() // width, width, block, DELTA if delta else XOR)
 
 
 SEG_TILE = 1 << 18
