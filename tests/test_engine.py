@@ -197,3 +197,14 @@ def test_scratch_heavy_codecs_get_smaller_gpu_windows():
     assert [len(r) for r in _split_calls([slice(None)], mixed, 32 << 20, 1 << 30)] == [32, 32, 32, 4]
     assert [len(r) for r in _split_calls([np.arange(1, 100)], mixed, 32 << 20, 40)] == [40, 40, 19]
     assert _split_calls([slice(None)], arr[:10], 32 << 20, 1 << 30) == [slice(None)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 1 << 20), max_size=300), most=st.integers(1, 16))
+def test_cpu_untransform_runs_cover_every_storage_once(sizes, most):
+    """The CPU inverse transforms go to the pool in at most ``most`` consecutive runs (one task
+    per storage when there are few): every storage exactly once, in order."""
+    from ckptzip.engine.decode import _runs
+    runs = _runs(sizes, most)
+    assert [k for r in runs for k in r] == list(range(len(sizes)))
+    assert all(len(r) for r in runs) and len(runs) <= most

@@ -166,6 +166,8 @@ class CheckpointReader:
             self._fd = None
             raise
         self._cache: dict[int, torch.Tensor] = {}
+        self._chains: dict = {}  # parsed transform chains and codecs (engine.storage_chain)
+        self._gpu: bool | None = None
 
     def _open(self) -> None:
         size = self._fd.size if self._remote else os.fstat(self._fd).st_size
@@ -258,8 +260,10 @@ class CheckpointReader:
         """A job that decodes storage ``i`` into ``out``; a reference transform comes back unbound
         (see :meth:`_fill`)."""
         s = self.storages[i]
-        work = self.decode_device or ("cuda" if out.device.type == "cuda" or gpu_ok() else "cpu")
-        ref, tf, codec = storage_chain(s, work)
+        if self.decode_device is None and out.device.type != "cuda" and self._gpu is None:
+            self._gpu = gpu_ok()
+        work = self.decode_device or ("cuda" if out.device.type == "cuda" or self._gpu else "cpu")
+        ref, tf, codec = storage_chain(s, work, self._chains)
         first, count = s["rows"]
         return Job(self.manifest.rows[first:first + count], tf, codec, out, ref)
 

@@ -15,7 +15,7 @@ import torch
 
 from ..codecs import _capi
 from ..codecs.base import Codec, get_codec
-from ..codecs.cpu import pmap
+from ..codecs.cpu import cpu_threads, pmap
 from ..errors import CorruptFileError
 from ..format import FLAG_STORED_RAW
 from ..io.reader import read_stored
@@ -30,24 +30,35 @@ from .plan import DEFAULT_WINDOW, codec_key
 CPU_GROUP = 16 << 20
 
 
-def storage_chain(s: dict[str, Any], device: str) -> tuple[RefTransform | None, Transform | None, Codec]:
+def storage_chain(s: dict[str, Any], device: str, cache: dict | None = None
+                  ) -> tuple[RefTransform | None, Transform | None, Codec]:
     """A storage's transform chain and codec: ``(reference transform or None, byteplane or None,
     codec)``. Format 1.1 chains have at most two elements, a reference transform (``xor``,
-    ``derived``) only first; the reference transform comes back unbound."""
+    ``derived``) only first; the reference transform comes back unbound. ``cache`` (one per
+    reader): storages with the same configs share the parsed objects (unbound, never modified:
+    binding makes a copy), so a file of many storages parses each distinct chain once; the
+    size check runs for every storage."""
     tfs = s.get("transforms", [])
-    if len(tfs) > 2:
-        raise CorruptFileError("transform chains have at most two elements (format 1.1)")
-    parsed = [get_transform(t) for t in tfs]
-    ref = parsed[0] if parsed and isinstance(parsed[0], RefTransform) else None
-    rest = parsed[1:] if ref is not None else parsed
-    if len(rest) > 1 or any(isinstance(t, RefTransform) for t in rest):
-        raise CorruptFileError("a reference transform (xor, derived) may only be the first of a chain "
-                               "of at most two")
-    tf = rest[0] if rest else None
-    for t in parsed:
-        if not t.accepts(s["nbytes"]):
+    key = (repr(tfs), repr(s.get("codec")), device) if cache is not None else None
+    got = cache.get(key) if key is not None else None
+    if got is None:
+        if len(tfs) > 2:
+            raise CorruptFileError("transform chains have at most two elements (format 1.1)")
+        parsed = [get_transform(t) for t in tfs]
+        ref = parsed[0] if parsed and isinstance(parsed[0], RefTransform) else None
+        rest = parsed[1:] if ref is not None else parsed
+        if len(rest) > 1 or any(isinstance(t, RefTransform) for t in rest):
+            raise CorruptFileError("a reference transform (xor, derived) may only be the first of a chain "
+                                   "of at most two")
+        got = (ref, rest[0] if rest else None, get_codec(s["codec"], device))
+        if key is not None:
+            if len(cache) > 4096:
+                cache.clear()
+            cache[key] = got
+    for t in got[:2]:
+        if t is not None and not t.accepts(s["nbytes"]):
             raise CorruptFileError(f"storage size is not a multiple of its {t.wire_id} width")
-    return ref, tf, get_codec(s["codec"], device)
+    return got
 
 
 def storage_plan_from_manifest(s: dict[str, Any], device: str) -> tuple[Transform | None, Codec]:
@@ -284,7 +295,22 @@ def _cpu_untransform(stream: torch.Tensor, grp: list) -> None:
             tf.decode(part, dst)
         else:
             np.copyto(dst.numpy(), part.numpy())
-    pmap(one, len(tasks))
+    # many small storages go to the pool in a few runs of about equal bytes (one task each
+    # cost more in the pool's futures than in numpy); large ones stay one task each
+    runs = _runs([b - a for _job, _i, _j, a, b in grp], 4 * cpu_threads())
+    pmap(lambda r: [one(k) for k in runs[r]], len(runs))
+
+
+def _runs(sizes: list[int], most: int) -> list[range]:
+    """Consecutive index runs of ``sizes`` (at most ``most`` of them when there are more items),
+    cut where the running total crosses equal shares of the sum."""
+    n = len(sizes)
+    if n <= most:
+        return [range(k, k + 1) for k in range(n)]
+    cum = np.cumsum(np.asarray(sizes, dtype=np.int64))
+    cuts = np.searchsorted(cum, cum[-1] * np.arange(1, most) / most, side="right")
+    edges = sorted(set([0, *cuts.tolist(), n]))
+    return [range(a, b) for a, b in zip(edges, edges[1:]) if b > a]
 
 
 def _fused(tf: Transform | None, ref: RefTransform) -> bool:
