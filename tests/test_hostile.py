@@ -418,3 +418,29 @@ def test_save_to_file_object(tmp_path, small):
     assert r["path"] == "<file object>"
     bio.seek(0)
     assert_same(obj, ckptzip.load(bio))
+
+
+def test_storage_row_ranges_checked_as_a_whole(tmp_path):
+    """The chunk-table checks made over all storages at once: two storages sharing a chunk row,
+    in either file order and with empty ranges around, and chunks that do not add up to a
+    storage's size, are CorruptFileError before anything is decoded."""
+    p = tmp_path / "a.ckz"
+    ckptzip.save({"a": torch.randn(5000), "b": torch.randn(3000), "c": torch.zeros(0), "d": torch.randn(7)}, p)
+    data, doc, rows = read_parts(p)
+    st = doc["storages"]
+    nonempty = [k for k, s in enumerate(st) if s["rows"][1]]
+    assert len(nonempty) >= 3
+    for i, j in ((nonempty[0], nonempty[1]), (nonempty[2], nonempty[0])):
+        bad = json.loads(json.dumps(doc))
+        bad["storages"][j]["rows"] = [st[i]["rows"][0], st[j]["rows"][1]]
+        q = tmp_path / f"shared{i}{j}.ckz"
+        write_parts(q, data, bad, rows)
+        with pytest.raises(ckptzip.CorruptFileError, match="shares chunk rows"):
+            ckptzip.load(q)
+    bad = json.loads(json.dumps(doc))
+    bad["storages"][nonempty[1]]["nbytes"] += 4
+    q = tmp_path / "sizes.ckz"
+    write_parts(q, data, bad, rows)
+    with pytest.raises(ckptzip.CorruptFileError, match="do not add up"):
+        ckptzip.load(q)
+    ckptzip.load(p)  # the untouched file still loads

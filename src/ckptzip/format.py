@@ -123,7 +123,7 @@ def parse_manifest(raw: bytes, digest: int, data_end: int) -> Manifest:
     _need(isinstance(doc.get("meta", {}), dict), "meta")
     storages = doc.get("storages")
     _need(isinstance(storages, list), "storages")
-    used = np.zeros(n, dtype=bool)
+    firsts, counts, sizes = [], [], []
     for i, s in enumerate(storages):
         _need(isinstance(s, dict), f"storage {i}")
         nb, rr = s.get("nbytes"), s.get("rows")
@@ -132,10 +132,25 @@ def parse_manifest(raw: bytes, digest: int, data_end: int) -> Manifest:
               and 0 <= rr[0] and 0 <= rr[1] and rr[0] + rr[1] <= n, f"storage {i} rows")
         _need(isinstance(s.get("codec"), dict) and isinstance(s.get("transforms", []), list),
               f"storage {i} codec/transforms")
-        sl = slice(rr[0], rr[0] + rr[1])
-        _need(not used[sl].any(), f"storage {i} shares chunk rows with another storage")
-        used[sl] = True
-        _need(int(rows["raw"][sl].astype(np.uint64).sum()) == nb, f"storage {i} chunk sizes do not add up")
+        firsts.append(rr[0])
+        counts.append(rr[1])
+        sizes.append(nb)
+    if storages:  # whole-table checks (one numpy pass, not one per storage)
+        first = np.asarray(firsts, dtype=np.int64)
+        count = np.asarray(counts, dtype=np.int64)
+        # no chunk row belongs to two storages: the non-empty row ranges, in order, do not overlap
+        ne = np.nonzero(count > 0)[0]
+        order = ne[np.argsort(first[ne], kind="stable")]
+        bad = np.nonzero(first[order][1:] < (first + count)[order][:-1])[0]
+        _need(not len(bad), f"storage {int(max(order[bad[0]], order[bad[0] + 1])) if len(bad) else 0} "
+                            f"shares chunk rows with another storage")
+        # every storage's chunks add up to its size
+        cum = np.zeros(n + 1, dtype=np.uint64)
+        if n:
+            np.cumsum(rows["raw"].astype(np.uint64), out=cum[1:])
+        got = cum[first + count] - cum[first]
+        wrong = np.nonzero(got != np.asarray(sizes, dtype=np.uint64))[0]
+        _need(not len(wrong), f"storage {int(wrong[0]) if len(wrong) else 0} chunk sizes do not add up")
     _need("root" in doc, "root")
     # the one validation pass over every field a reader uses (validate.py)
     total = validate_document(doc, n)

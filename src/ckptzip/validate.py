@@ -139,8 +139,9 @@ def validate_document(doc: dict[str, Any], n_chunks: int) -> int:
         raise _bad("storages")
     n_bases = _bases(doc)
     total = 0
+    seen: dict = {}  # configs already checked: storages usually share a few of them
     for i, s in enumerate(storages):
-        total += _storage(i, s)
+        total += _storage(i, s, seen)
     _refs(storages, n_bases)
     if "root" not in doc:
         raise _bad("root")
@@ -148,7 +149,7 @@ def validate_document(doc: dict[str, Any], n_chunks: int) -> int:
     return total
 
 
-def _storage(i: int, s: Any) -> int:
+def _storage(i: int, s: Any, seen: dict | None = None) -> int:
     if not isinstance(s, dict):
         raise _bad(f"storage {i}")
     nb = s.get("nbytes")
@@ -163,6 +164,26 @@ def _storage(i: int, s: Any) -> int:
     codec = s.get("codec")
     if not isinstance(codec, dict) or not isinstance(codec.get("id"), str):
         raise _bad(f"storage {i} codec")
+    tfs = s.get("transforms", [])
+    if not isinstance(tfs, list):
+        raise _bad(f"storage {i} transforms")
+    key = (repr(codec), repr(tfs)) if seen is not None else None
+    parsed = seen.get(key) if key is not None else None
+    if parsed is None:
+        parsed = _chain(i, codec, tfs)
+        if key is not None:
+            if len(seen) > 4096:
+                seen.clear()
+            seen[key] = parsed
+    for tf, t in parsed:
+        if t is not None and not t.accepts(nb):
+            raise CorruptFileError(f"storage size does not fit its {tf['id']} transform (not a multiple of its width, or another size)")
+    return nb
+
+
+def _chain(i: int, codec: dict, tfs: list) -> list:
+    """Check storage ``i``'s codec parameters and transform chain (what does not depend on its
+    size); return ``[(transform config, parsed transform or None for an unknown id)]``."""
     keys = wire_keys(codec["id"])
     if keys is not None:  # a known id: only its wire parameters, of the right JSON type
         params = {k: v for k, v in codec.items() if k != "id"}
@@ -172,11 +193,9 @@ def _storage(i: int, s: Any) -> int:
             if set(params) <= keys:  # known names, wrong types: the file lies
                 raise CorruptFileError(f"storage {i}: {e}") from None
             raise
-    tfs = s.get("transforms", [])
-    if not isinstance(tfs, list):
-        raise _bad(f"storage {i} transforms")
     if len(tfs) > 2:
         raise CorruptFileError("transform chains have at most two elements (format 1.1)")
+    out = []
     for k, tf in enumerate(tfs):
         if not isinstance(tf, dict) or not isinstance(tf.get("id"), str):
             raise _bad(f"storage {i} transform")
@@ -185,12 +204,12 @@ def _storage(i: int, s: Any) -> int:
         if len(tfs) == 2 and k == 0 and tf["id"] not in FIRST_TRANSFORMS and tf["id"] in KNOWN_TRANSFORMS:
             raise _bad(f"storage {i}: a chain of two starts with a reference transform (xor, delta, derived, "
                        f"expref) or expgrid")
+        t = None
         if tf["id"] in KNOWN_TRANSFORMS:
             from .transforms import get_transform
             t = get_transform(tf)
-            if not t.accepts(nb):
-                raise CorruptFileError(f"storage size does not fit its {tf['id']} transform (not a multiple of its width, or another size)")
-    return nb
+        out.append((tf, t))
+    return out
 
 
 def _bases(doc: dict[str, Any]) -> int:
