@@ -46,7 +46,8 @@ def log(*a) -> None:
 
 
 class Peak:
-    """Peak host RSS (sampled every 5 ms) and peak GPU memory above the level at entry."""
+    """Peak host RSS (sampled every 5 ms) and peak GPU memory above the level at entry; with
+    several ranks, the largest of any rank (every rank enters and leaves it together)."""
 
     def __enter__(self):
         self.base_rss = self._rss()
@@ -78,6 +79,12 @@ class Peak:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             self.gpu_mib = (torch.cuda.max_memory_allocated() - self.base_gpu) / 2**20
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            nccl = dist.get_backend() == "nccl"
+            t = torch.tensor([self.rss_mib, self.gpu_mib], dtype=torch.float64,
+                             device=torch.cuda.current_device() if nccl else "cpu")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            self.rss_mib, self.gpu_mib = (float(x) for x in t.tolist())
 
 
 def barrier():
