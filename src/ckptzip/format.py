@@ -142,15 +142,17 @@ def parse_manifest(raw: bytes, digest: int, data_end: int) -> Manifest:
         ne = np.nonzero(count > 0)[0]
         order = ne[np.argsort(first[ne], kind="stable")]
         bad = np.nonzero(first[order][1:] < (first + count)[order][:-1])[0]
-        _need(not len(bad), f"storage {int(max(order[bad[0]], order[bad[0] + 1])) if len(bad) else 0} "
-                            f"shares chunk rows with another storage")
+        if len(bad):
+            i = int(max(order[bad[0]], order[bad[0] + 1]))
+            _need(False, f"storage {i} shares chunk rows with another storage")
         # every storage's chunks add up to its size
         cum = np.zeros(n + 1, dtype=np.uint64)
         if n:
             np.cumsum(rows["raw"].astype(np.uint64), out=cum[1:])
         got = cum[first + count] - cum[first]
         wrong = np.nonzero(got != np.asarray(sizes, dtype=np.uint64))[0]
-        _need(not len(wrong), f"storage {int(wrong[0]) if len(wrong) else 0} chunk sizes do not add up")
+        if len(wrong):
+            _need(False, f"storage {int(wrong[0])} chunk sizes do not add up")
     _need("root" in doc, "root")
     # the one validation pass over every field a reader uses (validate.py)
     total = validate_document(doc, n)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import io
 import os
 import stat
@@ -48,28 +49,21 @@ def open_regular(path: str) -> int:
 #: until fsync otherwise, so the disk idles while a save compresses and copies
 WRITEBACK = os.environ.get("CKPTZIP_WRITEBACK", "1") != "0"
 _SYNC_FILE_RANGE_WRITE = 2
-_sfr = None
 
 
-_SFR_LOCK = threading.Lock()
-
-
+@functools.lru_cache(maxsize=1)
 def _sync_file_range():
-    global _sfr
-    if _sfr is None:
-        with _SFR_LOCK:
-            if _sfr is None:
-                fn = False
-                if sys.platform.startswith("linux"):
-                    try:
-                        import ctypes
-                        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-                        fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-                        fn.restype = ctypes.c_int
-                    except (OSError, AttributeError):
-                        fn = False
-                _sfr = fn
-    return _sfr
+    """libc's ``sync_file_range`` (Linux), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def start_writeback(f, offset: int, length: int) -> None:

@@ -3,7 +3,6 @@ a reader thread while the previous group is decoded straight into the destinatio
 from __future__ import annotations
 
 import math
-
 import queue
 import threading
 from collections.abc import Callable, Iterator

@@ -111,14 +111,18 @@ class Planner:
         self._codecs: dict = {}
 
     @property
+    def codec_id(self) -> str:
+        """The codec's wire id: ``auto`` picks nvCOMP ANS on a GPU unless the file must be
+        portable or the storage is slower than GPU zstd, else zstd."""
+        if not self.auto:
+            return self.cfg["id"]
+        return "ans" if self.dev == "cuda" and not self.portable and not self.slow_storage else "zstd"
+
+    @property
     def scratch_heavy(self) -> bool:
-        """Whether GPU saves may use a codec whose nvCOMP scratch and aligned copies need smaller
+        """Whether GPU saves use a codec whose nvCOMP scratch and aligned copies need smaller
         windows (zstd, deflate: see :func:`ckptzip.engine.plan.gpu_window`)."""
-        if self.dev != "cuda":
-            return False
-        if self.auto:
-            return self.portable or self.slow_storage
-        return self.cfg["id"] in ("zstd", "deflate", "gdeflate")
+        return self.dev == "cuda" and self.codec_id in ("zstd", "deflate", "gdeflate")
 
     def codec(self, cfg: dict, local: dict | None = None) -> Codec:
         key = (repr(sorted(cfg.items())), repr(sorted((local or {}).items())))
@@ -130,8 +134,7 @@ class Planner:
         """A storage's plan before sampling, and the variant plans to sample (if any)."""
         cfg = self.cfg
         if self.auto:
-            use_ans = self.dev == "cuda" and not self.portable and not self.slow_storage
-            cfg = {"id": "ans" if use_ans else "zstd"}
+            cfg = {"id": self.codec_id}
         lvl = self.level is not None and cfg["id"] in ("zstd", "deflate") and self.dev == "cpu"
         local = {"level": self.level} if lvl else {}
         ans_planes = cfg["id"] == "ans" and "data_type" not in cfg

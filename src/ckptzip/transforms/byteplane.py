@@ -78,7 +78,7 @@ class BytePlane(Transform):
     def _torch_encode(self, src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Torch ops (a GPU save before the kernels are compiled), in pieces of whole blocks of at
         most ``_TORCH_PIECE`` bytes, so that the temporaries of the rotation stay small (a whole
-        256 MiB window at once took two more windows of GPU memory)."""
+        256 MiB window at once would need two more windows of GPU memory)."""
         w, b = self.width, self.block
         step = max(1, _TORCH_PIECE // (b * w)) * b * w
         for a in range(0, src.numel(), step):
