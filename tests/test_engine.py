@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import ckptzip.errors
 from ckptzip import engine
 from ckptzip.transforms import BytePlane
 
@@ -178,7 +179,7 @@ def test_loads_do_not_start_the_kernel_warmup(monkeypatch):
 def test_scratch_heavy_codecs_get_smaller_gpu_windows():
     """GPU zstd / deflate saves (portable, slow storage, or named) plan half-size windows, and
     their compress calls are cut so that nvCOMP's scratch stays bounded (its zstd asked for
-    1,488 MiB for one 256 MiB window)."""
+    1,488 MiB for one 256 MiB window of 1 MiB chunks)."""
     from ckptzip.codecs.gpu import _split_calls
     from ckptzip.engine.planner import Planner
     assert engine.gpu_window(1 << 30) == 256 << 20
@@ -199,6 +200,43 @@ def test_scratch_heavy_codecs_get_smaller_gpu_windows():
     assert _split_calls([slice(None)], arr[:10], 32 << 20, 1 << 30) == [slice(None)]
 
 
+def test_portable_gpu_saves_use_deflate_entropy_only():
+    """``portable`` on a GPU: deflate (CPU-decodable), algorithm 0 (entropy coding only, no
+    nvCOMP scratch, so no call splitting) for byte planes; named GPU zstd in 16 KiB chunks."""
+    from ckptzip.codecs import _capi, gpu
+    from ckptzip.engine.planner import Planner
+    assert Planner("auto", device="cuda", portable=True).codec_id == "deflate"
+    assert Planner("auto", device="cuda", storage_gbps=1.0).codec_id == "zstd"
+    assert Planner("auto", device="cuda").codec_id == "ans"
+    assert Planner("auto", device="cpu", portable=True).codec_id == "zstd"
+    assert gpu.DeflateGPU(algorithm=0).call_limits() is None
+    assert gpu.DeflateGPU().call_limits() == (16 << 20, 1 << 30)
+    assert gpu.DeflateGPU(algorithm=0).get_config() == {"id": "deflate"}  # encoder-only
+    assert "algorithm" not in dict(gpu.DeflateGPU(algorithm=0)._opts())
+    assert gpu.ZstdGPU.preferred_chunk == 16 << 10 and gpu.ZstdGPU().call_limits() == (32 << 20, 1 << 30)
+    for bad in (6, -1, True, "0"):
+        with pytest.raises(ckptzip.errors.CkptzipError):
+            gpu.DeflateGPU(algorithm=bad)
+        with pytest.raises(ckptzip.errors.CkptzipError):
+            _capi.deflate_opts(bad)
+    comp, dec = _capi.deflate_opts(0)
+    assert bytes(comp)[:4] == b"\0\0\0\0" and bytes(_capi.deflate_opts(2)[0])[:4] == b"\2\0\0\0"
+
+
+def test_nvcomp_scratch_grows_in_steps_and_is_released():
+    """The cached nvCOMP scratch is replaced (never two held) when a call needs more, grows in
+    16 MiB steps, and is handed back at the end of a save or load."""
+    from ckptzip.codecs import _capi, gpu
+    dev = torch.device("cpu")
+    _capi.release_scratch()
+    a = _capi._temp(dev, 7, 5 << 20)
+    assert a.numel() == 16 << 20 and _capi._temp(dev, 7, 16 << 20) is a
+    b = _capi._temp(dev, 7, (16 << 20) + 1)
+    assert b.numel() == 32 << 20 and list(_capi._TEMP.values()) == [b]
+    gpu.release_scratch()
+    assert not _capi._TEMP
+
+
 @settings(max_examples=60, deadline=None)
 @given(sizes=st.lists(st.integers(0, 1 << 20), max_size=300), most=st.integers(1, 16))
 def test_cpu_untransform_runs_cover_every_storage_once(sizes, most):
@@ -208,3 +246,4 @@ def test_cpu_untransform_runs_cover_every_storage_once(sizes, most):
     runs = _runs(sizes, most)
     assert [k for r in runs for k in r] == list(range(len(sizes)))
     assert all(len(r) for r in runs) and len(runs) <= most
+

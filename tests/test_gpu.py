@@ -62,7 +62,7 @@ def test_auto_records_choice_and_portable(tmp_path):
     q = tmp_path / "port.ckz"
     ckptzip.save(s, q, portable=True)
     with ckptzip.open(q) as r:
-        assert {st["codec"]["id"] for st in r.storages} <= {"zstd", "raw"}
+        assert {st["codec"]["id"] for st in r.storages} <= {"deflate", "raw"}
     back = ckptzip.load(q, map_location="cpu", decode_device="cpu")
     assert same_bits(back["v"], s["v"])
 
@@ -112,6 +112,60 @@ def test_peak_gpu_memory_bounded_gpu_state_mixed_chunks(tmp_path):
     assert all(same_bits(back[k], st[k]) for k in st)
     print(f"peak extra GPU memory during save: {peak_save / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB")
     assert peak_save <= budget
+
+
+@pytest.mark.parametrize("kw", [{"portable": True}, {"codec": "zstd"}, {"codec": "deflate"}])
+def test_peak_gpu_memory_bounded_standard_codecs(tmp_path, kw):
+    """Saves in CPU-readable codecs stay in the budget, nvCOMP's scratch included (it is handed
+    back at the end of every save, so each save counts it): portable = byte planes through
+    Deflate's entropy-only algorithm (no scratch); GPU Zstd in 16 KiB chunks, calls cut at
+    32 MiB (its scratch is over 1 GiB at 64 KiB chunks)."""
+    from ckptzip.codecs import _capi
+    torch.manual_seed(0)
+    st = {"v": (torch.randn(96 << 20, device="cuda") * 1e-3) ** 2,
+          "w": (torch.randn(64 << 20, device="cuda") * 0.02).bfloat16(),
+          "i": torch.arange(1 << 20, device="cuda")}
+    p = tmp_path / "s.ckz"
+    budget = min(1 << 30, torch.cuda.mem_get_info()[0] // 10)
+    for _ in range(2):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        ckptzip.save(st, p, fsync=False, **kw)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        print(f"{kw}: peak extra GPU memory {peak / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB")
+        assert peak <= budget
+        assert not _capi._TEMP and torch.cuda.memory_allocated() <= base
+    with ckptzip.open(p) as r:
+        ids = {s_["codec"]["id"] for s_ in r.storages}
+    assert ids <= {kw.get("codec", "deflate"), "raw"}, ids
+    back = ckptzip.load(p, map_location="cpu", decode_device="cpu")
+    assert all(same_bits(back[k], st[k].cpu()) for k in st)
+    back = ckptzip.load(p, map_location="cuda")
+    assert all(same_bits(back[k], st[k]) for k in st)
+
+
+@pytest.mark.parametrize("algorithm", [0, 1, 2])
+def test_gpu_deflate_algorithms_are_standard_streams(algorithm):
+    """Every nvCOMP Deflate algorithm writes raw deflate streams that zlib decodes."""
+    import zlib
+    from ckptzip.codecs.base import get_codec
+    torch.manual_seed(1)
+    data = torch.cat([(torch.randn(1 << 18) * 3 + 120).clamp(0, 255).to(torch.uint8),
+                      torch.randint(0, 256, (100_000,), dtype=torch.uint8),
+                      torch.zeros(70_000, dtype=torch.uint8)]).cuda()
+    c = get_codec("deflate", "cuda", algorithm=algorithm)
+    offs = [0, 65536, 1 << 18, (1 << 18) + 100_000]
+    sizes = [65536, (1 << 18) - 65536, 100_000, 70_000]
+    out, o, n = c.encode(data, offs, sizes)
+    host = out.cpu().numpy().tobytes()
+    for a, k, oo, nn in zip(offs, sizes, o.tolist(), n.tolist()):
+        got = zlib.decompress(host[oo:oo + nn], -15)
+        assert got == data[a:a + k].cpu().numpy().tobytes()
+    dst = torch.empty_like(data)
+    c.decode(out, o, n, dst, offs, sizes)
+    assert torch.equal(dst, data)
 
 
 def test_bad_stream_is_an_exception_not_a_crash(tmp_path):

@@ -15,6 +15,7 @@ from typing import Any
 
 from . import __version__
 from .codecs.base import MAX_CHUNK
+from .codecs.gpu import release_scratch
 from .engine import DEFAULT_WINDOW, Planner, encode_group_arrays, gpu_window, groups, units_of
 from .format import FOOTER_SIZE, HEADER_SIZE, pack_footer, pack_header, pack_manifest
 from .io import ChunkWriter
@@ -116,6 +117,7 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
                     progress(sum(u.data.numel() for u in grp), prep.total)
         finally:
             rows = w.finish()
+            release_scratch()
         entries, first = [], 0
         for ref, plan, count in zip(prep.refs, prep.plans, counts):
             entries.append({

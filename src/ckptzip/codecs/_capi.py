@@ -56,6 +56,16 @@ def zstd_opts() -> tuple[_Opts, _Opts]:
     return _Opts.of(b""), _Opts.of(struct.pack("<i", _DEFAULT_BACKEND))
 
 
+def deflate_opts(algorithm: int = 1) -> tuple[_Opts, _Opts]:
+    """(compress, decompress) options for Deflate. ``algorithm`` steers only the encoder: 0 is
+    entropy coding only (Huffman, no matches: no scratch memory, 40-65 GB/s on an H100), 1
+    nvCOMP's default (matches + Huffman), up to 5 (highest ratio); every one writes standard raw
+    deflate streams."""
+    if type(algorithm) is not int or not 0 <= algorithm <= 5:
+        raise CodecError(f"Deflate algorithm {algorithm!r} not in 0..5")
+    return _Opts.of(struct.pack("<i", algorithm)), _Opts.of(struct.pack("<ii", _DEFAULT_BACKEND, 0))
+
+
 _SZ = ctypes.c_size_t
 _P = ctypes.c_void_p
 
@@ -72,7 +82,7 @@ def _lib():
             break
     else:
         raise OSError(f"libnvcomp.so.6 not found under {base}")
-    for alg in ("ANS", "Zstd"):
+    for alg in ("ANS", "Zstd", "Deflate"):
         p = f"nvcompBatched{alg}"
         _sig(lib, p + "CompressGetMaxOutputChunkSize", [_SZ, _Opts, ctypes.POINTER(_SZ)])
         _sig(lib, p + "CompressGetTempSize", [_SZ, _SZ, _Opts, ctypes.POINTER(_SZ), _SZ, _P])
@@ -145,8 +155,23 @@ def _temp(dev: torch.device, stream: int, n: int) -> torch.Tensor:
     key = (dev.index, stream)
     t = _TEMP.get(key)
     if t is None or t.numel() < n:
-        t = _TEMP[key] = torch.empty(max(n, 1 << 20), dtype=torch.uint8, device=dev)
+        # the old scratch goes back to torch's allocator first (stream-ordered: work queued on
+        # this stream still finishes with it), so that growing never holds both; grown in 16 MiB
+        # steps, not to each call's exact size (a save's calls differ by a few bytes)
+        _TEMP.pop(key, None)
+        del t
+        t = _TEMP[key] = torch.empty(_ceil(max(n, 1 << 20), 16 << 20), dtype=torch.uint8, device=dev)
     return t
+
+
+def release_scratch() -> None:
+    """Hand every cached nvCOMP scratch buffer back to torch's allocator (end of a save or
+    load: the scratch is not held against the caller's GPU memory between checkpoints)."""
+    _TEMP.clear()
+
+
+def _ceil(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
 
 
 def _on(dev: torch.device):

@@ -73,7 +73,7 @@ _REGISTRY: dict[str, dict[str, type[Codec]]] = {}
 #: must be named here, be one of its class's keys and have this type (bool is not an int), or
 #: the config is refused before any codec is constructed.
 PARAM_TYPES: dict[str, type] = {"level": int, "data_type": str, "algorithm_type": int,
-                                "max_sub_chunk_count": int, "planes": int}
+                                "max_sub_chunk_count": int, "planes": int, "algorithm": int}
 
 
 def _type_ok(value: Any, want: type) -> bool:

@@ -15,6 +15,7 @@ import torch
 from ..codecs import _capi
 from ..codecs.base import Codec, get_codec
 from ..codecs.cpu import cpu_threads, pmap
+from ..codecs.gpu import release_scratch
 from ..errors import CorruptFileError
 from ..format import FLAG_STORED_RAW
 from ..io.reader import read_stored
@@ -148,6 +149,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
             _decode_loop(grouped, q, free, progress)
     finally:
         stop.set()
+        release_scratch()
         while t.is_alive():  # unblock a reader waiting for a slot or for queue room
             free.put(0)
             try:

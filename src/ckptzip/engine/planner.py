@@ -1,7 +1,8 @@
 """How each storage is encoded: transform, codec, chunking (what ``codec="auto"`` decides).
 
-``auto`` on the CPU: byte planes + zstd for floats, zstd otherwise. On a GPU: zstd (byte planes
-for floats) when ``portable`` or when the storage is slower than GPU zstd; otherwise nvCOMP ANS,
+``auto`` on the CPU: byte planes + zstd for floats, zstd otherwise. On a GPU: deflate (byte
+planes for floats, entropy-coded only) when ``portable``, zstd when the storage is slower than GPU
+zstd; otherwise nvCOMP ANS,
 with the layout (byte planes + byte symbols, or whole 16/32-bit words) picked by compressing a
 sample both ways. For byte planes, a sample also decides which planes are stored raw (they do not
 shrink: low mantissa bytes) and whether the exponent plane does better in smaller chunks (Adam's
@@ -112,11 +113,13 @@ class Planner:
 
     @property
     def codec_id(self) -> str:
-        """The codec's wire id: ``auto`` picks nvCOMP ANS on a GPU unless the file must be
-        portable or the storage is slower than GPU zstd, else zstd."""
+        """The codec's wire id: ``auto`` picks nvCOMP ANS on a GPU, deflate there if the file
+        must be portable, zstd there if the storage is slower than GPU zstd; zstd on the CPU."""
         if not self.auto:
             return self.cfg["id"]
-        return "ans" if self.dev == "cuda" and not self.portable and not self.slow_storage else "zstd"
+        if self.dev != "cuda":
+            return "zstd"
+        return "deflate" if self.portable else "zstd" if self.slow_storage else "ans"
 
     @property
     def scratch_heavy(self) -> bool:
@@ -144,6 +147,11 @@ class Planner:
         c = self.codec(cfg, local)
         want_tf = self.transform == "byteplane" or (self.transform == "auto" and c.wire_id != "raw")
         tf = byteplane_for(ref, self.chunk_size) if want_tf else None
+        if self.auto and cfg["id"] == "deflate" and self.dev == "cuda":
+            # portable on a GPU: byte planes need only the entropy coder (nvCOMP Deflate's
+            # algorithm 0: no scratch, 40-65 GB/s; GPU Zstd's scratch alone is over 1 GiB at
+            # 64 KiB chunks), other storages get matches too
+            c = self.codec(cfg, {"algorithm": 0 if tf is not None else 1})
         chunk = min(self.chunk_size, c.max_chunk)
         if self.chunk_size == DEFAULT_CHUNK:
             chunk = min(chunk, getattr(c, "preferred_chunk", chunk))
