@@ -324,6 +324,9 @@ class CheckpointReader:
         for i in jobs:
             lvl(i)
         order = sorted(jobs, key=lambda i: (level[i], i))
+        # storages against a base file (xor, delta) first get their base storage (decoded from
+        # that file); then every level of this file is decoded in one pipelined pass, level by
+        # level (a group never mixes levels; the GPU runs them in stream order)
         for L in sorted(set(level.values())):
             batch = [jobs[i] for i in order if level[i] == L]
             xors = [j for j in batch if j.ref is not None and j.ref.wire_id in ("xor", "delta")]
@@ -343,11 +346,13 @@ class CheckpointReader:
                     if src is not j.out:
                         j.out.copy_(src)
                     j.ref = j.ref.bind(j.out)  # in place: out holds the base, the residual is applied to it
-            for j in batch:
-                if j.ref is not None and j.ref.local:
-                    j.ref = j.ref.bind(need[j.ref.storage])
-            gpu = any(j.codec.device == "cuda" for j in batch)
-            decode_jobs(self._fd, batch, gpu_decode_window() if gpu else DEFAULT_WINDOW, prog)
+        batch = [jobs[i] for i in order]
+        for j in batch:
+            if j.ref is not None and j.ref.local:
+                j.ref = j.ref.bind(need[j.ref.storage])
+        gpu = any(j.codec.device == "cuda" for j in batch)
+        breaks = [k for k in range(1, len(order)) if level[order[k]] != level[order[k - 1]]]
+        decode_jobs(self._fd, batch, gpu_decode_window() if gpu else DEFAULT_WINDOW, prog, breaks)
 
     def _mapped(self, i: int, out: torch.Tensor) -> torch.Tensor:
         """torch.load's convention: ``map_location(storage, location)`` gets the storage

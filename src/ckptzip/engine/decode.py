@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ from ..io.reader import read_stored
 from ..transforms import RefTransform, Transform, get_transform
 from ..transforms.byteplane import np_decode_onto
 from ..transforms.refs import Delta, fused_planes, planes_after_ref
-from .memory import PINNED, copy_segments
+from .memory import ALIGN, PINNED, copy_segments
 from .plan import DEFAULT_WINDOW, codec_key
 
 #: decoded bytes per group on the CPU: small enough that reading and checksumming the next
@@ -104,22 +104,26 @@ class Job:
 
 
 def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
-                progress: Callable[[int], None] | None = None) -> None:
+                progress: Callable[[int], None] | None = None, breaks: Collection[int] = ()) -> None:
     """Decode storages. Batches of whole blocks are grouped up to ``window`` bytes (many small
     storages per read and per codec call); a reader thread reads and checksums the next group
-    into one of four pooled buffers while the current one is decoded."""
+    into one of four pooled buffers while the current one is decoded. Groups are decoded in
+    order; a new group starts at every job index in ``breaks`` (a job that refers to the output
+    of an earlier one is never in the same group: CPU groups undo transforms in parallel)."""
     if not any(job.codec.device == "cuda" for job in jobs):
         window = min(window, CPU_GROUP)  # the reader's next group overlaps this one's decoding
-    items = [(job, i, j, a, b) for job in jobs
+    breaks = set(breaks)
+    items = [(job, i, j, a, b, k in breaks and i == 0) for k, job in enumerate(jobs)
              for i, j, a, b in batches(job.rows, job.out.numel(), job.tf, window, job.ref.word if job.ref else 1)]
     grouped: list[list] = []
     size = 0
-    for it in items:
-        if grouped and size + (it[4] - it[3]) <= window and it[0].codec.device == grouped[-1][0][0].codec.device:
-            grouped[-1].append(it)
+    for *it, brk in items:
+        if (grouped and not brk and size + (it[4] - it[3]) <= window
+                and it[0].codec.device == grouped[-1][0][0].codec.device):
+            grouped[-1].append(tuple(it))
             size += it[4] - it[3]
         else:
-            grouped.append([it])
+            grouped.append([tuple(it)])
             size = it[4] - it[3]
     if not grouped:
         return
@@ -205,12 +209,20 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     stored = rows["stored"].astype(np.int64)
     raws = rows["raw"].astype(np.int64)
     soffs = np.asarray(soffs, dtype=np.int64)
-    total = int(raws.sum())
     direct = (len(grp) == 1 and grp[0][0].tf is None and grp[0][0].ref is None
               and grp[0][0].out.device.type == work)
+    # each batch starts 16-byte aligned in the group's stream (a storage of a few bytes, such as
+    # an optimizer's step count, would otherwise misalign every chunk after it, and nvCOMP's
+    # outputs must be aligned: each misaligned chunk was decoded aside and copied)
+    sizes = np.asarray([b - a for _job, _i, _j, a, b in grp], dtype=np.int64)
+    starts = np.zeros(len(grp), dtype=np.int64)
+    np.cumsum(-(-sizes[:-1] // ALIGN) * ALIGN, out=starts[1:])
+    total = int(starts[-1] + sizes[-1])
     stream = grp[0][0].out[grp[0][3]:grp[0][4]] if direct else torch.empty(total, dtype=torch.uint8, device=work)
-    roffs = np.zeros(len(raws), dtype=np.int64)
-    np.cumsum(raws[:-1], out=roffs[1:])
+    counts = np.asarray([j - i for _job, i, j, _a, _b in grp], dtype=np.int64)
+    first = np.repeat(np.cumsum(counts) - counts, counts)  # each row's batch's first row
+    within = np.cumsum(raws) - raws
+    roffs = np.repeat(starts, counts) + within - within[first]
     is_raw = rows["flags"] == FLAG_STORED_RAW
     if work == "cpu":  # numpy: torch's intra-op threads stall on oversubscribed cores
         _np_copy_segments(src.numpy(), soffs[is_raw], stream.numpy(), roffs[is_raw], raws[is_raw])
@@ -230,10 +242,9 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     if direct:
         return
     if work == "cpu" and all(job.out.device.type == "cpu" for job, *_ in grp):
-        _cpu_untransform(stream, grp)
+        _cpu_untransform(stream, grp, starts.tolist())
         return
-    pos = 0
-    for job, i, j, a, b in grp:
+    for (job, i, j, a, b), pos in zip(grp, starts.tolist()):
         part = stream[pos:pos + (b - a)]
         dst = job.out[a:b]
         # (chunks decoded on the CPU for a GPU tensor: the two steps)
@@ -255,7 +266,6 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
                 dst.copy_(tmp)
         else:
             dst.copy_(part)
-        pos += b - a
 
 
 def _np_copy_segments(src: np.ndarray, soffs: np.ndarray, dst: np.ndarray, doffs: np.ndarray,
@@ -271,14 +281,13 @@ def _np_copy_segments(src: np.ndarray, soffs: np.ndarray, dst: np.ndarray, doffs
         dst[d:d + n] = src[s:s + n]
 
 
-def _cpu_untransform(stream: torch.Tensor, grp: list) -> None:
-    """Undo the transforms of a CPU group into the CPU destinations, storages spread over the
-    CPU pool's threads (numpy releases the GIL). A reference transform is undone last, from a
-    scratch buffer it may overwrite (``stream`` is scratch whenever a group has one)."""
-    tasks, pos = [], 0
-    for job, _i, _j, a, b in grp:
-        tasks.append((job.tf, job.ref, stream[pos:pos + (b - a)], job.out[a:b], a, b))
-        pos += b - a
+def _cpu_untransform(stream: torch.Tensor, grp: list, starts: list[int]) -> None:
+    """Undo the transforms of a CPU group (batch k at ``starts[k]`` of ``stream``) into the CPU
+    destinations, storages spread over the CPU pool's threads (numpy releases the GIL). A
+    reference transform is undone last, from a scratch buffer it may overwrite (``stream`` is
+    scratch whenever a group has one)."""
+    tasks = [(job.tf, job.ref, stream[pos:pos + (b - a)], job.out[a:b], a, b)
+             for (job, _i, _j, a, b), pos in zip(grp, starts)]
 
     def one(k: int) -> None:
         tf, ref, part, dst, a, b_ = tasks[k]
