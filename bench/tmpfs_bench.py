@@ -126,6 +126,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1),
                     help="threads for the read/write ceilings (default: min(16, cores))")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run of this script)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one warm load (cProfile of the caller's thread, top 40 by own time) "
+                         "into OUT/tmpfs_load_profile.txt")
     a = ap.parse_args()
     dev = a.device
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
@@ -168,6 +171,23 @@ def main() -> None:
     res["save"] = {"s": saves, "best_s": b, "median_s": m, "stored_gbs_best": n / b / 1e9, "raw_gbs_best": raw / b / 1e9}
     b, m = best_med(loads)
     res["load"] = {"s": loads, "best_s": b, "median_s": m, "stored_gbs_best": n / b / 1e9, "stages": stages[loads.index(b)]}
+    if a.profile:
+        import cProfile
+        import io
+        import pstats
+        pr = cProfile.Profile()
+        pr.enable()
+        out = ckptzip.load(path, map_location=dev)
+        sync()
+        pr.disable()
+        del out
+        buf = io.StringIO()
+        st = pstats.Stats(pr, stream=buf)
+        st.sort_stats("tottime").print_stats(40)
+        st.sort_stats("cumulative").print_stats(40)
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "tmpfs_load_profile.txt"), "w") as f:
+            f.write(buf.getvalue())
     os.unlink(path)
     c = res["ceiling"]
     print(f"state {raw / 1e9:.2f} GB raw, {n / 1e9:.3f} GB stored; {res['info']['device']}")
