@@ -19,7 +19,7 @@ def test_fixtures_present():
     names = {os.path.basename(f) for f in FILES}
     assert {"v1_auto_cpu.ckz", "v1_zstd_cpu.ckz", "v1_raw.ckz", "v1_deflate_cpu.ckz",
             "v11_base_cpu.ckz", "v11_incr_cpu.ckz", "v12_expref_cpu.ckz", "v12_expref_ans_gpu.ckz",
-            "v12_expgrid_cpu.ckz", "v12_expgrid_ans_gpu.ckz"} <= names
+            "v12_expgrid_cpu.ckz", "v12_expgrid_ans_gpu.ckz", "v12_portable_gpu.ckz"} <= names
 
 
 def test_expected_digests_match_generator():
