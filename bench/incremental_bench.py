@@ -94,17 +94,21 @@ def components(path: str) -> dict[str, float]:
     return out
 
 
-def timed_load(path: str, device: str, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        gc.collect()
-        _sync(device)
-        t0 = time.perf_counter()
-        obj = ckptzip.load(path, map_location=device)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        del obj
-    return statistics.median(times)
+def timed_loads(paths: list[str], device: str, reps: int) -> list[list[float]]:
+    """Load times of each path, rounds interleaved (path 1, path 2, path 1, ...) after one
+    untimed load of each, so that drift of the machine hits every path alike."""
+    times: list[list[float]] = [[] for _ in paths]
+    for r in range(reps + 1):
+        for k, path in enumerate(paths):
+            gc.collect()
+            _sync(device)
+            t0 = time.perf_counter()
+            obj = ckptzip.load(path, map_location=device)
+            _sync(device)
+            if r:
+                times[k].append(time.perf_counter() - t0)
+            del obj
+    return times
 
 
 def _sync(device: str) -> None:
@@ -171,7 +175,7 @@ def main() -> None:
     ap.add_argument("--dims", default="small", choices=sorted(DIMS))
     ap.add_argument("--steps1", type=int, default=200)
     ap.add_argument("--gap", type=int, default=50)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="timed loads of each file, interleaved (default 3)")
     ap.add_argument("--out", default=None, help="directory for the files (default: a temporary one)")
     ap.add_argument("--peers", action="store_true", help="also store snapshot 2 given snapshot 1 with lmzip, "
                     "z4ai, moonclip and ZipNN (bench/peers_incremental.py; the ones installed), same run")
@@ -206,9 +210,12 @@ def main() -> None:
             assert torch.equal(back["optimizer"]["state"][i][n].cpu().reshape(-1).view(torch.uint8),
                                v.cpu().reshape(-1).view(torch.uint8)), (i, n)
     del back
-    full_s, incr_s = timed_load(p2, a.device, a.reps), timed_load(p2i, a.device, a.reps)
+    full, incr = timed_loads([p2, p2i], a.device, a.reps)
+    full_s, incr_s = statistics.median(full), statistics.median(incr)
     res["load_s"] = {"standalone": round(full_s, 4), "incremental": round(incr_s, 4),
-                     "incremental / standalone": round(incr_s / full_s, 3)}
+                     "incremental / standalone": round(incr_s / full_s, 3),
+                     "best: incremental / standalone": round(min(incr) / min(full), 3),
+                     "all": {"standalone": [round(x, 4) for x in full], "incremental": [round(x, 4) for x in incr]}}
     if a.device == "cuda":
         w1 = torch.cat([v.reshape(-1) for v in s1["model"].values()])
         w2 = torch.cat([v.reshape(-1) for v in s2["model"].values()])
