@@ -260,6 +260,28 @@ def test_expgrid_used_for_v_and_round_trips(tmp_path):
     assert info["stored_bytes"] < plain["stored_bytes"]
 
 
+def test_expgrid_fits_reused_by_later_saves_stay_exact(tmp_path, monkeypatch):
+    """Saves with ``reuse_plan`` (async saves, the manager) take the expgrid fits of an earlier
+    save of the same layout for REFIT_EVERY saves, then refit; with v changed in between (a
+    stale fit) every file still loads bit-exact."""
+    from ckptzip.engine import refplan
+    from ckptzip.transforms.refs import ExpGrid
+    monkeypatch.setattr(refplan, "_GRIDS", type(refplan._GRIDS)())
+    fits = []
+    real = ExpGrid.fit_many.__func__
+    monkeypatch.setattr(ExpGrid, "fit_many", classmethod(lambda cls, items: fits.append(1) or real(cls, items)))
+    st_ = grid_state()
+    for k in range(refplan.REFIT_EVERY + 1):
+        for s in st_["optimizer"]["state"].values():
+            s["exp_avg_sq"].mul_(1.5 + k)  # drift: the reused fit is stale
+        p = tmp_path / f"a{k}.ckz"
+        ckptzip.async_save(st_, p).wait()
+        assert_same(ckptzip.load(p), st_)
+    assert len(fits) == 2  # the first save and the one after REFIT_EVERY saves
+    ckptzip.save(st_, tmp_path / "plain.ckz")  # no reuse: fits again
+    assert len(fits) == 3
+
+
 def test_expgrid_windows_and_torch_path_match_numpy():
     """Any window (partial rows at both ends) transforms as the whole storage does; the torch
     path (used on CUDA) writes the same bytes as the numpy path (CPU)."""

@@ -63,7 +63,7 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
         from .tree import tensor_keys
         keys = tensor_keys(root)[0]
         ref_tfs.update(find_expref(root, enc.storages, skip=set(ref_tfs), keys=keys))
-        grid = find_expgrid(root, enc.storages, skip=set(ref_tfs), keys=keys)
+        grid = find_expgrid(root, enc.storages, skip=set(ref_tfs), keys=keys, reuse=reuse_plan)
     else:
         grid = {}
     alt: dict = {}

@@ -172,11 +172,21 @@ def find_expref(root, refs: list[StorageRef], skip: set, keys: dict | None = Non
 _EXP_AVG_SQ = re.compile(r"(.*\.)?exp_avg_sq(@[0-9,]*)?\Z", re.S)
 
 
-def find_expgrid(root, refs: list[StorageRef], skip: set, keys: dict | None = None) -> dict[int, ExpGrid]:
+#: layout -> [fits, saves that used them] (``reuse``): later saves of a training loop take the
+#: fits of an earlier save (a stale fit predicts a little worse, never wrongly: the residual is
+#: exact), refitted every REFIT_EVERY saves
+_GRIDS: "OrderedDict[tuple, list]" = OrderedDict()
+REFIT_EVERY = 4
+
+
+def find_expgrid(root, refs: list[StorageRef], skip: set, keys: dict | None = None,
+                 reuse: bool = False) -> dict[int, ExpGrid]:
     """Storage index -> fitted ``expgrid`` candidate, for every float32 second moment of Adam
     (key ``...exp_avg_sq``) held by a contiguous tensor of two or more dimensions that covers
     its whole storage (rows = first dimension). The fit reads the storage once on its device;
-    the planner samples each candidate and keeps it only where it pays."""
+    the planner samples each candidate and keeps it only where it pays. With ``reuse``, the fits
+    made for the same layout by one of the last REFIT_EVERY saves are taken again (no fit: no
+    pass over the storages, no device sync)."""
     keys = keys if keys is not None else tensor_keys(root)[0]
     found: dict[int, tuple] = {}
     for key, node in keys.items():
@@ -191,7 +201,23 @@ def find_expgrid(root, refs: list[StorageRef], skip: set, keys: dict | None = No
                 or numel * 4 != r.data.numel() or shape[0] < 2 or numel // shape[0] < 2):
             continue
         found[i] = (r.data, shape[0], numel // shape[0])
-    return dict(zip(found, ExpGrid.fit_many(list(found.values())))) if found else {}
+    if not found:
+        return {}
+    key = tuple((i, str(d.device), d.numel(), rows, cols) for i, (d, rows, cols) in found.items())
+    if reuse:
+        with _PAIRS_LOCK:
+            got = _GRIDS.get(key)
+            if got is not None and got[1] < REFIT_EVERY:
+                got[1] += 1
+                _GRIDS.move_to_end(key)
+                return dict(zip(found, got[0]))
+    fits = ExpGrid.fit_many(list(found.values()))
+    if reuse:
+        with _PAIRS_LOCK:
+            _GRIDS[key] = [fits, 1]
+            while len(_GRIDS) > 8:
+                _GRIDS.popitem(last=False)
+    return dict(zip(found, fits))
 
 
 def derived_plan(plan: Plan, ref: Derived) -> Plan:
