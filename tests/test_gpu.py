@@ -281,6 +281,7 @@ def test_fused_reference_planes_match_two_steps(dtype, kind, n, block):
     writes the bytes of the two separate steps (CPU numpy), and undoes them in place."""
     from ckptzip import transforms
     from ckptzip.kernels import triton_kernels
+    from ckptzip.kernels import DELTA, XOR
     from ckptzip.transforms.refs import Delta, Xor, fused_planes
     if triton_kernels(wait=True) is None:
         pytest.skip("no Triton")
@@ -293,17 +294,48 @@ def test_fused_reference_planes_match_two_steps(dtype, kind, n, block):
     bp = transforms.BytePlane(w, block)
     rt = (Delta(0, 0, w) if kind == "delta" else Xor(0, 0)).bind(bb)
     fz = fused_planes(bp, rt, 0, xb)
-    assert fz is not None and fz[2:] == (w, block, kind == "delta") and torch.equal(fz[1], bb)
+    mode = DELTA if kind == "delta" else XOR
+    assert fz is not None and fz[2:] == (w, block, mode) and torch.equal(fz[1], bb)
     kern = fz[0]
     want = bp.encode(rt.bind(bb.cpu()).encode(xb.cpu()))
     got = torch.empty_like(xb)
-    assert kern.encode_ref(xb, bb, got, w, block, kind == "delta")
+    assert kern.encode_ref(xb, bb, got, w, block, mode)
     assert torch.equal(got.cpu(), want)
     dst = bb.clone()
-    assert kern.decode_ref(got, dst, dst, w, block, kind == "delta")
+    assert kern.decode_ref(got, dst, dst, w, block, mode)
     assert torch.equal(dst, xb)
     if n > 1:  # a destination or data slice off the word grid is left to the two steps
         assert fused_planes(bp, rt, 0, xb[1:1 + w * (n - 1)]) is None
+
+
+@pytest.mark.parametrize("n,block", [(1, 8), (1000, 64), (100_003, 4096), (3 << 20, 1 << 20)])
+def test_fused_expref_planes_match_two_steps(n, block):
+    """The one-kernel ``expref`` + ``byteplane`` (Adam's m against v, every default save and load
+    on a GPU) writes the bytes of the two torch steps, and undoes them; special values included."""
+    from ckptzip import transforms
+    from ckptzip.kernels import EXPREF, triton_kernels
+    from ckptzip.transforms.refs import ExpRef, fused_planes
+    if triton_kernels(wait=True) is None:
+        pytest.skip("no Triton")
+    g = torch.Generator(device="cuda").manual_seed(n)
+    v = (torch.randn(n, device="cuda", generator=g) * 1e-3) ** 2
+    m = torch.randn(n, device="cuda", generator=g) * v.sqrt()
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -3e38], device="cuda")
+    m[:min(n, 7)] = specials[:min(n, 7)]
+    v[1:min(n, 7):2] = specials[1:min(n, 7):2]
+    mb, vb = m.view(torch.uint8), v.view(torch.uint8)
+    bp = transforms.BytePlane(4, block)
+    rt = ExpRef(1).bind(vb)
+    fz = fused_planes(bp, rt, 0, mb)
+    assert fz is not None and fz[2:] == (4, block, EXPREF) and torch.equal(fz[1], vb)
+    want = bp.encode(rt.encode(mb))
+    got = torch.empty_like(mb)
+    assert fz[0].encode_ref(mb, vb, got, 4, block, EXPREF)
+    assert torch.equal(got, want)
+    dst = torch.empty_like(mb)
+    assert fz[0].decode_ref(got, vb, dst, 4, block, EXPREF)
+    assert torch.equal(dst, mb)
+    assert fused_planes(transforms.BytePlane(2, block), ExpRef(1).bind(vb), 0, mb) is None
 
 
 def test_fused_incremental_file_equals_unfused(tmp_path, monkeypatch):

@@ -10,14 +10,20 @@ path; torch.save 1.7 s). So the first call starts compiling them in a background
 inputs of every specialization ckptzip launches, and returns None until that is done: the first
 save of a process runs on the torch path, later ones on the kernels. ``wait=True`` blocks until
 they are ready (tests, benchmarks); ``CKPTZIP_TRITON_WARMUP=0`` compiles on first use instead.
-The fused reference kernels of incremental saves and loads (``encode_ref`` / ``decode_ref``) are
-not in the warm-up: they compile on their first use (the first incremental save or load of a
-process), so that the warm-up of every other process stays as short as it was.
+The fused reference kernels of incremental saves and loads (``encode_ref`` / ``decode_ref`` with
+``xor`` / ``delta``) are not in the warm-up: they compile on their first use (the first
+incremental save or load of a process), so that the warm-up of every other process stays as
+short as it was; their ``expref`` mode (Adam's first moment, in every default save) is.
 """
 from __future__ import annotations
 
 import os
 import threading
+
+#: what a byteplane kernel does besides the planes (its MODE, a constexpr: each compiles to its
+#: own kernel): nothing, ``xor`` against a reference, ``delta``'s sign-folded difference, or
+#: ``expref``'s exponent prediction from a float32 reference (32-bit words only)
+PLAIN, XOR, DELTA, EXPREF = 0, 1, 2, 3
 
 _MOD: object = False  # False: not tried; None: unavailable; else the module
 _READY = threading.Event()
@@ -59,6 +65,9 @@ def _warm(device: int) -> None:
                             x = torch.zeros(n * width, dtype=torch.uint8, device="cuda")
                             y = mod.encode(x, width, block)
                             mod.decode(y, torch.empty_like(x), width, block)
+                            if width == 4:  # expref (Adam's m against v) is in every default save
+                                mod.encode_ref(x, x, y, width, block, EXPREF)
+                                mod.decode_ref(y, x, torch.empty_like(x), width, block, EXPREF)
                 a = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
                 offs = np.array([0, 64], dtype=np.int64)
                 lens = np.array([32, 17], dtype=np.int64)

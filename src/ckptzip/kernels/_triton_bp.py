@@ -12,16 +12,18 @@ _U = {2: (torch.int16, tl.uint16), 4: (torch.int32, tl.uint32), 8: (torch.int64,
 TILE = 2048
 
 
-#: what a kernel does besides the byte planes: nothing, ``xor`` against a reference, or
-#: ``delta``'s sign-folded difference (a constexpr: each mode compiles to its own kernel)
-PLAIN, XOR, DELTA = 0, 1, 2
+from . import DELTA, EXPREF, PLAIN, XOR  # noqa: E402  (the kernels' MODE constexpr)
+#: ``expref`` (transforms/refs.py): the binary32 exponent field shifted right by one (bits
+#: 22..29) and the prediction ``f >> 1`` at the same place (bits 24..30 of the reference >> 2)
+_EXP_HALF = tl.constexpr(0x3FC00000)
+_PRED = tl.constexpr(0x1FC00000)
 
 
 @triton.jit
 def _enc(src, ref, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.constexpr, TILE: tl.constexpr,
          MODE: tl.constexpr):
-    """Byte planes of ``src`` (MODE 0), or of its residual against ``ref``: ``xor`` (1), or
-    ``delta``'s folded difference (2)."""
+    """Byte planes of ``src`` (MODE 0), or of its residual against ``ref``: ``xor`` (1),
+    ``delta``'s folded difference (2), or ``expref``'s exponent residual (3, 32-bit words)."""
     idx = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
     mask = idx < n
     d = tl.load(src + idx, mask=mask).to(UT, bitcast=True)
@@ -31,6 +33,10 @@ def _enc(src, ref, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.co
         d = d - tl.load(ref + idx, mask=mask).to(UT, bitcast=True)
         top = d >> (BITS - 1)
         d = d ^ ((top << (BITS - 1)) - top)  # the low bits inverted where the top bit is set
+    elif MODE == 3:
+        p = (tl.load(ref + idx, mask=mask).to(UT, bitcast=True) >> 2) & _PRED
+        xe = (d >> 1) & _EXP_HALF
+        d = (d ^ (xe << 1)) | (((xe - p) & _EXP_HALF) << 1)
     r = (d << 1) | (d >> (BITS - 1))
     b = idx // block
     j = idx - b * block
@@ -62,6 +68,10 @@ def _dec(src, ref, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.co
     elif MODE == 2:
         top = d >> (BITS - 1)
         d = tl.load(ref + idx, mask=mask).to(UT, bitcast=True) + (d ^ ((top << (BITS - 1)) - top))
+    elif MODE == 3:
+        p = (tl.load(ref + idx, mask=mask).to(UT, bitcast=True) >> 2) & _PRED
+        xe = (d >> 1) & _EXP_HALF
+        d = (d ^ (xe << 1)) | (((xe + p) & _EXP_HALF) << 1)
     tl.store(dst + idx, d, mask=mask)
 
 
@@ -86,19 +96,26 @@ def decode(src: torch.Tensor, dst: torch.Tensor, width: int, block: int) -> None
         _launch(_dec, src, d, d, src.numel() // width, width, block, PLAIN)
 
 
-def encode_ref(src: torch.Tensor, ref: torch.Tensor, out: torch.Tensor, width: int, block: int, delta: bool) -> None:
-    """``byteplane(width, block)`` of ``xor(src, ref)`` (or of ``delta``'s residual when
-    ``delta``) into ``out``, in one pass. All flat uint8 CUDA tensors of one size, word-aligned."""
+def encode_ref(src: torch.Tensor, ref: torch.Tensor, out: torch.Tensor, width: int, block: int, mode: int) -> None:
+    """``byteplane(width, block)`` of the residual of ``src`` against ``ref`` (``mode`` XOR,
+    DELTA, or EXPREF for 32-bit words) into ``out``, in one pass. All flat uint8 CUDA tensors of
+    one size, word-aligned."""
+    if mode not in (XOR, DELTA, EXPREF) or (mode == EXPREF and width != 4):
+        raise ValueError(f"no fused kernel for mode {mode} at width {width}")
     if src.numel() >= width:
         it = _U[width][0]
-        _launch(_enc, src.view(it), ref.view(it), out, src.numel() // width, width, block, DELTA if delta else XOR)
+        _launch(_enc, src.view(it), ref.view(it), out, src.numel() // width, width, block, mode)
 
 
-def decode_ref(src: torch.Tensor, ref: torch.Tensor, dst: torch.Tensor, width: int, block: int, delta: bool) -> None:
-    """Inverse of :func:`encode_ref`: ``dst = ref (+|^) residual(planes src)``; ``ref`` may be ``dst``."""
+def decode_ref(src: torch.Tensor, ref: torch.Tensor, dst: torch.Tensor, width: int, block: int, mode: int) -> None:
+    """Inverse of :func:`encode_ref`: ``dst`` = the words of planes ``src`` with the residual
+    against ``ref`` undone; ``ref`` may be ``dst`` for XOR and DELTA (each word is read before
+    it is written)."""
+    if mode not in (XOR, DELTA, EXPREF) or (mode == EXPREF and width != 4):
+        raise ValueError(f"no fused kernel for mode {mode} at width {width}")
     if src.numel() >= width:
         it = _U[width][0]
-        _launch(_dec, src, ref.view(it), dst.view(it), src.numel() // width, width, block, DELTA if delta else XOR)
+        _launch(_dec, src, ref.view(it), dst.view(it), src.numel() // width, width, block, mode)
 
 
 SEG_TILE = 1 << 18

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptFileError, UnknownCodecError
-from ..kernels import triton_kernels
+from ..kernels import DELTA, EXPREF, XOR, triton_kernels
 from .base import Transform, register
 from .byteplane import BytePlane
 
@@ -622,13 +622,18 @@ def planes_after_ref(tf: Transform | None, ref: RefTransform | None) -> bool:
 
 def fused_planes(tf: Transform | None, ref: RefTransform | None, at: int, words: torch.Tensor,
                  start: bool = True) -> tuple | None:
-    """``(kernels, reference slice, width, block, is_delta)`` when ``byteplane`` after a bound
-    ``xor`` / ``delta`` runs as one CUDA kernel on ``words`` (the data to encode, or the
+    """``(kernels, reference slice, width, block, mode)`` when ``byteplane`` after a bound
+    ``xor`` / ``delta`` (or ``expref`` on 32-bit planes) runs as one CUDA kernel on ``words``
+    (the kernels' ``mode``: :data:`ckptzip.kernels.XOR`, ``DELTA``, ``EXPREF``; the data to encode, or the
     destination to decode into, at byte ``at`` of its storage), through
     :func:`ckptzip.kernels._triton_bp.encode_ref` / ``decode_ref`` (same bytes as the two steps):
     Triton ready (``start``: see :func:`ckptzip.kernels.triton_kernels`), ``words`` and the
     reference slice on one GPU, word-aligned, whole words; else None."""
-    if not planes_after_ref(tf, ref):
+    if planes_after_ref(tf, ref):
+        mode = DELTA if isinstance(ref, Delta) else XOR
+    elif isinstance(tf, BytePlane) and isinstance(ref, ExpRef) and ref.ref is not None and tf.width == 4:
+        mode = EXPREF
+    else:
         return None
     w = tf.width
     refb = ref.base_slice(at, words.numel())
@@ -636,7 +641,7 @@ def fused_planes(tf: Transform | None, ref: RefTransform | None, at: int, words:
                for t in (words, refb)):
         return None
     k = triton_kernels(start=start) if _FUSED_OK else None
-    return (_Fused(k), refb, w, tf.block, isinstance(ref, Delta)) if k is not None else None
+    return (_Fused(k), refb, w, tf.block, mode) if k is not None else None
 
 
 _FUSED_OK = True  # False once a fused kernel failed to compile: the two steps from then on
