@@ -200,17 +200,21 @@ def test_scratch_heavy_codecs_get_smaller_gpu_windows():
     assert _split_calls([slice(None)], arr[:10], 32 << 20, 1 << 30) == [slice(None)]
 
 
-def test_portable_gpu_saves_use_deflate_entropy_only():
+def test_portable_gpu_saves_use_deflate_entropy_only(monkeypatch):
     """``portable`` on a GPU: deflate (CPU-decodable), algorithm 0 (entropy coding only, no
-    nvCOMP scratch, so no call splitting) for byte planes; named GPU zstd in 16 KiB chunks."""
+    nvCOMP scratch, so no call splitting) for byte planes; named GPU zstd in 16 KiB chunks.
+    Through the Python binding (no C API), which ignores the algorithm, calls are cut."""
     from ckptzip.codecs import _capi, gpu
     from ckptzip.engine.planner import Planner
     assert Planner("auto", device="cuda", portable=True).codec_id == "deflate"
     assert Planner("auto", device="cuda", storage_gbps=1.0).codec_id == "zstd"
     assert Planner("auto", device="cuda").codec_id == "ans"
     assert Planner("auto", device="cpu", portable=True).codec_id == "zstd"
+    monkeypatch.setattr(_capi, "available", lambda: True)
     assert gpu.DeflateGPU(algorithm=0).call_limits() is None
     assert gpu.DeflateGPU().call_limits() == (16 << 20, 1 << 30)
+    monkeypatch.setenv("CKPTZIP_NVCOMP_CAPI", "0")
+    assert gpu.DeflateGPU(algorithm=0).call_limits() == (16 << 20, 1 << 30)
     assert gpu.DeflateGPU(algorithm=0).get_config() == {"id": "deflate"}  # encoder-only
     assert "algorithm" not in dict(gpu.DeflateGPU(algorithm=0)._opts())
     assert gpu.ZstdGPU.preferred_chunk == 16 << 10 and gpu.ZstdGPU().call_limits() == (32 << 20, 1 << 30)

@@ -476,3 +476,38 @@ def test_pipeline_with_the_torch_code_paths(tmp_path, monkeypatch):
     assert_same(ckptzip.load(b), st_)
     monkeypatch.setattr(refs, "_TORCH_ON_CPU", False)
     assert open(a, "rb").read() == open(b, "rb").read()
+
+
+def test_level_break_survives_an_empty_first_storage(tmp_path, monkeypatch):
+    """A file whose reference level starts with an empty storage (valid, though ckptzip never
+    writes one): the next storage of that level still starts a new decode group, so a CPU group
+    never undoes ``expref`` in parallel with the decode of its reference (found by a review:
+    the break sat on the empty storage's batches, of which there are none)."""
+    from ckptzip.engine import decode as D
+    from ckptzip.transforms.refs import ExpRef
+    g = torch.Generator().manual_seed(0)
+    v = torch.rand(4096, generator=g) + 0.5
+    m = torch.randn(4096, generator=g) * v.sqrt()
+    res = ExpRef(3).bind(v.view(torch.uint8)).encode(m.view(torch.uint8).clone())
+    p = tmp_path / "a.ckz"
+    ckptzip.save({"a0": torch.empty(0), "a1": torch.empty(0), "m": res.view(torch.float32), "v": v}, p,
+                 codec="zstd", transform=None, derive=False)
+    data, doc, rows = read_parts(p)
+    with ckptzip.open(p) as r:
+        s_of = {t["key"]: t["storage"] for t in r.tensor_info()}
+    assert s_of["v"] == 3
+    doc["storages"][s_of["m"]]["transforms"] = [{"id": "expref", "ref": {"storage": s_of["v"]}}]
+    doc["storages"][s_of["a1"]]["transforms"] = [{"id": "expref", "ref": {"storage": s_of["a0"]}}]
+    doc["version"] = [1, 2]
+    q = tmp_path / "b.ckz"
+    write_parts(q, data, doc, rows)
+    grouped = []
+    real = D.decode_group
+
+    def spy(src, soffs, rows_, grp, work):
+        grouped.append({type(j.ref).__name__ if j.ref else "plain" for j, *_ in grp})
+        return real(src, soffs, rows_, grp, work)
+    monkeypatch.setattr(D, "decode_group", spy)
+    back = ckptzip.load(q)
+    assert torch.equal(back["m"].view(torch.int32), m.view(torch.int32))
+    assert all(not ("ExpRef" in gs and "plain" in gs) for gs in grouped), grouped

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from .codecs.gpu import release_scratch
 from .pipeline import prepare, write
 from .engine import DEFAULT_CHUNK, PINNED, encode_group_arrays, free_gpu_bytes, gather_gpu
 
@@ -299,6 +300,7 @@ def _snapshot(prep, gpu_bytes: int | None, arena: Arena) -> list:
             staged.append(None)
     for ev in inflight:
         ev.synchronize()
+    release_scratch()  # nvCOMP's scratch is not held while the snapshot waits to be written
     return staged
 
 

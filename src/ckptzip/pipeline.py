@@ -116,8 +116,10 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
                 if progress:
                     progress(sum(u.data.numel() for u in grp), prep.total)
         finally:
-            rows = w.finish()
-            release_scratch()
+            try:
+                rows = w.finish()
+            finally:
+                release_scratch()
         entries, first = [], 0
         for ref, plan, count in zip(prep.refs, prep.plans, counts):
             entries.append({

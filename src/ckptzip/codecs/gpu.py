@@ -352,7 +352,9 @@ DeflateGPU.call_bytes = 16 << 20
 
 
 def _deflate_call_limits(self) -> tuple[int, int] | None:
-    return None if self.config.get("algorithm", 1) == 0 else (self.call_bytes, self.call_chunks)
+    # algorithm 0 needs no scratch; the binding (no C API) ignores the algorithm: limits then
+    entropy_only = self.config.get("algorithm", 1) == 0 and self._c is not None
+    return None if entropy_only else (self.call_bytes, self.call_chunks)
 
 
 DeflateGPU.call_limits = _deflate_call_limits

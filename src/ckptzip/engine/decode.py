@@ -113,8 +113,13 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     if not any(job.codec.device == "cuda" for job in jobs):
         window = min(window, CPU_GROUP)  # the reader's next group overlaps this one's decoding
     breaks = set(breaks)
-    items = [(job, i, j, a, b, k in breaks and i == 0) for k, job in enumerate(jobs)
-             for i, j, a, b in batches(job.rows, job.out.numel(), job.tf, window, job.ref.word if job.ref else 1)]
+    items = []
+    pending = False  # a break whose job had no batch (an empty storage) goes to the next batch made
+    for k, job in enumerate(jobs):
+        pending = pending or k in breaks
+        for i, j, a, b in batches(job.rows, job.out.numel(), job.tf, window, job.ref.word if job.ref else 1):
+            items.append((job, i, j, a, b, pending))
+            pending = False
     grouped: list[list] = []
     size = 0
     for *it, brk in items:
