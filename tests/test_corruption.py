@@ -289,3 +289,38 @@ def test_parallel_read_parts_check_every_chunk(tmp_path, where):
     q = tmp_path / "c.ckz"
     q.write_bytes(bytes(raw))
     expect(q, ckptzip.ChecksumError)
+
+
+def test_reader_leaves_long_chunks_to_the_gpu_only_when_asked(tmp_path):
+    """``read_stored(gpu_hash=True)`` (GPU loads with the kernels ready) leaves chunks of more
+    than 240 bytes at 8-byte aligned offsets unverified and returns their indices; short ones
+    are still verified here; without it every chunk is verified."""
+    import numpy as np
+    import ckptzip
+    from conftest import read_parts, write_parts
+    from ckptzip.io.reader import read_stored
+    p = tmp_path / "a.ckz"
+    ckptzip.save({"w": torch.randn(100_000), "s": torch.tensor(1.0)}, p, codec="zstd", chunk_size=64 << 10)
+    data, doc, rows = read_parts(p)
+    long_ = np.nonzero(rows["stored"] > 240)[0]
+    short = np.nonzero(rows["stored"] <= 240)[0]
+    assert len(long_) and len(short)
+    k = int(long_[0])
+    off = int(rows["offset"][k]) + 5
+    bad = data[:off] + bytes([data[off] ^ 1]) + data[off + 1:]
+    q = tmp_path / "b.ckz"
+    write_parts(q, bad, doc, rows)
+    fd = os.open(q, os.O_RDONLY)
+    try:
+        buf, offs, later = read_stored(fd, rows, gpu_hash=True)
+        assert k in later.tolist() and not set(short.tolist()) & set(later.tolist())
+        assert all(offs[i] % 8 == 0 for i in later.tolist())
+        with pytest.raises(ckptzip.ChecksumError):
+            read_stored(fd, rows)
+        s = int(short[0])
+        rows2 = rows.copy()
+        rows2["xxh3"][s] ^= 1
+        with pytest.raises(ckptzip.ChecksumError):
+            read_stored(fd, rows2, gpu_hash=True)
+    finally:
+        os.close(fd)

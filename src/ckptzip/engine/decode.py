@@ -16,9 +16,10 @@ from ..codecs import _capi
 from ..codecs.base import Codec, get_codec
 from ..codecs.cpu import cpu_threads, pmap
 from ..codecs.gpu import release_scratch
-from ..errors import CorruptFileError
+from ..errors import ChecksumError, CorruptFileError
 from ..format import FLAG_STORED_RAW
 from ..io.reader import read_stored
+from ..kernels import triton_kernels
 from ..transforms import RefTransform, Transform, get_transform
 from ..transforms.byteplane import np_decode_onto
 from ..transforms.refs import Delta, fused_planes, planes_after_ref
@@ -133,6 +134,10 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     if not grouped:
         return
     gpu = any(job.codec.device == "cuda" for job in jobs)
+    # where the Triton kernels are ready, GPU groups' chunks of more than 240 bytes are hashed on
+    # the GPU after their upload (the reader's threads then only read: hashing there contended
+    # with this thread for the GIL), and verified before the group's decode results are
+    tk = triton_kernels(start=False) if gpu else None
     q: queue.Queue = queue.Queue(maxsize=2)
     free: queue.Queue = queue.Queue()
     for slot in range(4):  # the caller holds up to two (one in flight on the GPU), the reader reads ahead
@@ -146,16 +151,19 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                     return
                 slot = free.get()
                 rows = np.concatenate([job.rows[i:j] for job, i, j, _a, _b in grp])
-                host, soffs = read_stored(fd, rows, pinned=gpu)
-                q.put((slot, host, soffs, rows, None))
+                if tk is not None and grp[0][0].codec.device == "cuda":
+                    host, soffs, later = read_stored(fd, rows, pinned=gpu, gpu_hash=True)
+                else:
+                    (host, soffs), later = read_stored(fd, rows, pinned=gpu), None
+                q.put((slot, host, soffs, rows, later, None))
         except BaseException as e:  # re-raised by the consumer
-            q.put((None, None, None, None, e))
+            q.put((None, None, None, None, None, e))
 
     t = threading.Thread(target=reader, name="ckptzip-reader", daemon=True)
     t.start()
     try:
         with _capi.deferred_checks():
-            _decode_loop(grouped, q, free, progress)
+            _decode_loop(grouped, q, free, progress, tk)
     finally:
         stop.set()
         release_scratch()
@@ -168,31 +176,44 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
             t.join(timeout=0.01)
 
 
-def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress) -> None:
+def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress, tk=None) -> None:
     """Consume what the reader thread queued: decode each group, hand its slot back. On the GPU
     a group's host buffer is handed back once the GPU is done with it, which the loop waits for
     only after it has queued the next group's work (the host launches group k while the GPU
-    runs group k-1)."""
-    prev = None  # (host buffer, slot, event after its work, decode-check mark) of the group in flight
+    runs group k-1). Chunks the reader left to the GPU (``later``) are hashed by ``tk`` right
+    after the upload; their checksums are verified before the group's decode statuses, and
+    before any error the group's decoding raised, so a damaged chunk is a ChecksumError."""
+    prev = None  # (host buffer, slot, event after its work, decode-check mark, hashes) in flight
 
     def finish(p) -> None:
-        host, slot, ev, mark = p
+        host, slot, ev, mark, hashed = p
         ev.synchronize()  # its copies and decodes are done: the pinned buffer may be reused
+        _verify_gpu_hashes(hashed)
         _capi.check_decodes(upto=mark)
         PINNED.release(host)
         free.put(slot)
 
     for grp in grouped:
-        slot, host, soffs, rows, err = q.get()
+        slot, host, soffs, rows, later, err = q.get()
         if err is not None:
             raise err
         work = grp[0][0].codec.device
         src = host.to(work, non_blocking=True) if work != "cpu" else host
-        decode_group(src, soffs, rows, grp, work)
+        hashed = None
+        if later is not None and len(later):
+            got = tk.xxh3_chunks(src, np.asarray(soffs, dtype=np.int64)[later], rows["stored"][later].astype(np.int64))
+            hashed = (got.to("cpu", non_blocking=True), rows["xxh3"][later], rows["offset"][later])
+        try:
+            decode_group(src, soffs, rows, grp, work)
+        except BaseException:
+            if hashed is not None:
+                torch.cuda.current_stream().synchronize()
+                _verify_gpu_hashes(hashed)
+            raise
         if work == "cuda":
             ev = torch.cuda.Event()
             ev.record()
-            cur = (host, slot, ev, _capi.pending_decodes())
+            cur = (host, slot, ev, _capi.pending_decodes(), hashed)
             if prev is not None:
                 finish(prev)
             prev = cur
@@ -206,6 +227,17 @@ def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress) -> 
             progress(sum(b - a for _j, _i, _jj, a, b in grp))
     if prev is not None:
         finish(prev)
+
+
+def _verify_gpu_hashes(hashed) -> None:
+    """Raise ChecksumError for the first chunk whose GPU-computed XXH3 (copied to the host; the
+    caller has waited for the copy) differs from the chunk table's."""
+    if hashed is None:
+        return
+    got, want, offs = hashed
+    bad = np.nonzero(got.numpy().view(np.uint64) != want.astype(np.uint64))[0]
+    if len(bad):
+        raise ChecksumError(f"chunk at file offset {int(offs[bad[0]])} fails its checksum")
 
 
 def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: list, work: str) -> None:

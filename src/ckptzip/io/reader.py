@@ -1,5 +1,7 @@
 """Reading stored chunks: one read per batch where the chunks lie in order, every checksum
-verified before any byte reaches a decoder."""
+verified before any byte reaches a decoder, except those the caller hashes on the GPU
+(``gpu_hash``: chunks of more than 240 bytes at 8-byte aligned offsets, checked by the GPU
+decode loop before it returns, see :func:`ckptzip.engine.decode.decode_jobs`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,10 +12,17 @@ from ..errors import ChecksumError
 from ..format import checksum
 from ..storage import READ_THREADS, pread_exact, pread_into, read_pool, run_all, will_need
 
-def read_stored(fd: int, batch: np.ndarray, pinned: bool = False) -> tuple[torch.Tensor, list[int]]:
+#: chunks of more than 240 bytes can be hashed on the GPU (XXH3's long-input path; see
+#: :func:`ckptzip.kernels._triton_bp.xxh3_chunks`, which holds the same bound)
+HASH_MIN = 241
+
+def read_stored(fd: int, batch: np.ndarray, pinned: bool = False, gpu_hash: bool = False
+                ) -> tuple[torch.Tensor, list[int]] | tuple[torch.Tensor, list[int], np.ndarray]:
     """Read a batch's stored chunks into one host buffer and verify their checksums. Returns the
     buffer (leased from :data:`PINNED` when ``pinned``: the caller releases it; released here
-    on an error) and each chunk's offset in it (16-byte aligned when the file's chunks are)."""
+    on an error) and each chunk's offset in it (16-byte aligned when the file's chunks are).
+    With ``gpu_hash``, chunks of more than 240 bytes at 8-byte aligned offsets are not verified
+    here: their indices come back third, for the caller to verify on the GPU."""
     stored = batch["stored"].astype(np.int64)
     fo = batch["offset"].astype(np.int64)
     n = len(batch)
@@ -27,8 +36,10 @@ def read_stored(fd: int, batch: np.ndarray, pinned: bool = False) -> tuple[torch
         offs = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.int64)
         total = int(padded.sum())
     buf = PINNED.acquire(total) if pinned else torch.empty(total, dtype=torch.uint8)
+    later = np.nonzero((stored >= HASH_MIN) & (offs % 8 == 0))[0] if gpu_hash else None
     try:
-        return buf, _read_into(fd, batch, buf, fo, offs, stored, in_order and total == span)
+        got = _read_into(fd, batch, buf, fo, offs, stored, in_order and total == span, later)
+        return (buf, got) if later is None else (buf, got, later)
     except BaseException:
         if pinned:
             PINNED.release(buf)
@@ -36,10 +47,13 @@ def read_stored(fd: int, batch: np.ndarray, pinned: bool = False) -> tuple[torch
 
 
 def _read_into(fd, batch: np.ndarray, buf: torch.Tensor, fo: np.ndarray, offs: np.ndarray,
-               stored: np.ndarray, one_read: bool) -> list[int]:
+               stored: np.ndarray, one_read: bool, later: np.ndarray | None = None) -> list[int]:
     n = len(batch)
     b = buf.numpy()
     total = int(stored.sum())
+    host = np.ones(n, dtype=bool)  # chunks verified here (the others: on the GPU, by the caller)
+    if later is not None:
+        host[later] = False
     if isinstance(fd, int) and n > 1 and READ_THREADS > 1 and total >= _PARALLEL_MIN:
         # local file: the chunks in contiguous parts, each read and checksummed by one thread
         # of the pool while its bytes are still in the CPU's cache
@@ -54,20 +68,21 @@ def _read_into(fd, batch: np.ndarray, buf: torch.Tensor, fo: np.ndarray, offs: n
             else:
                 for k in range(a, z):
                     pread_exact(fd, memoryview(b[offs[k]:offs[k] + stored[k]]), int(fo[k]))
-            return [checksum(memoryview(b[offs[k]:offs[k] + stored[k]])) for k in range(a, z)]
+            return [checksum(memoryview(b[offs[k]:offs[k] + stored[k]])) if host[k] else None for k in range(a, z)]
         pool = read_pool()
         sums = [x for got in run_all([pool.submit(part, ab) for ab in zip(bounds[:-1], bounds[1:])]) for x in got]
     elif one_read:
         pread_into(fd, memoryview(b), int(fo[0]))
-        sums = checksums(b, offs, stored)
+        sums = checksums(b, offs, stored, host)
     else:
         for k in range(n):
             pread_into(fd, memoryview(b[offs[k]:offs[k] + stored[k]]), int(fo[k]))
-        sums = checksums(b, offs, stored)
+        sums = checksums(b, offs, stored, host)
     if n:
         will_need(fd, int(fo[-1] + stored[-1]))
-    for k in range(n):
-        if sums[k] != int(batch["xxh3"][k]):
+    want = batch["xxh3"]
+    for k in np.nonzero(host)[0].tolist():
+        if sums[k] != int(want[k]):
             raise ChecksumError(f"chunk at file offset {int(fo[k])} fails its checksum")
     return offs.tolist()
 
@@ -76,13 +91,15 @@ def _read_into(fd, batch: np.ndarray, buf: torch.Tensor, fo: np.ndarray, offs: n
 _PARALLEL_MIN = 8 << 20
 
 
-def checksums(b: np.ndarray, offs, stored) -> list[int]:
-    """XXH3-64 of every chunk; large batches are hashed by the read pool's threads, each taking
-    a contiguous part of the chunks (xxhash releases the GIL on large inputs)."""
+def checksums(b: np.ndarray, offs, stored, which: np.ndarray | None = None) -> list[int | None]:
+    """XXH3-64 of every chunk (of those ``which`` marks; None for the others); large batches are
+    hashed by the read pool's threads, each taking a contiguous part of the chunks (xxhash
+    releases the GIL on large inputs)."""
     n = len(offs)
 
-    def run(ks) -> list[int]:
-        return [checksum(memoryview(b[offs[k]:offs[k] + stored[k]])) for k in ks]
+    def run(ks) -> list[int | None]:
+        return [checksum(memoryview(b[offs[k]:offs[k] + stored[k]])) if which is None or which[k] else None
+                for k in ks]
     if int(np.sum(stored)) < (32 << 20) or n < 4 or READ_THREADS < 2:
         return run(range(n))
     return [x for part in read_pool().map(run, np.array_split(np.arange(n), READ_THREADS)) for x in part]

@@ -175,3 +175,131 @@ def copy_segments(src: torch.Tensor, soffs, dst: torch.Tensor, doffs, lens, ends
     fast = src.data_ptr() % 16 == 0 and dst.data_ptr() % 16 == 0
     grid = (len(lens), max(1, -(-int(ends.max()) // SEG_TILE)))
     _copy_tiles[grid](src, dst, t, len(lens), BLOCK=2048, TILE=SEG_TILE, FAST=fast)
+
+
+# -- XXH3-64 of chunks on the GPU (the file format's chunk checksum) ------------------------------
+# XXH3_64bits (seed 0, default secret) for inputs of more than 240 bytes ("hashLong"): 1 KiB
+# blocks of 16 stripes of 64 bytes accumulated into 8 lanes, the lanes scrambled after each
+# block, the last partial block and the last 64 bytes, then the lanes merged. Shorter inputs use
+# other formulas; callers hash those on the host. The 8 lanes are kept as their even and odd
+# halves (each stripe word feeds its own lane and its pair's).
+XXH3_SECRET = bytes.fromhex(
+    "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671f"
+    "cb79e64eccc0e578825ad07dccff7221b8084674f743248ee03590e6813a264c"
+    "3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8"
+    "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364"
+    "eac5ac8334d3ebc3c581a0fffa1363eb170ddd51b7f0da49d316552629d4689e"
+    "2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e")
+HASH_MIN = 241  # shorter chunks: hashed on the host
+_XXH_INIT = (0xC2B2AE3D, 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
+             0x85EBCA77C2B2AE63, 0x85EBCA77, 0x27D4EB2F165667C5, 0x9E3779B1)
+_XXH_CONST = (0xFFFFFFFF, 0x9E3779B1, 0x9E3779B185EBCA87, 0x165667919E3779F9)
+
+
+def _u64(xs) -> np.ndarray:
+    return np.array([x - (1 << 64) if x >= 1 << 63 else x for x in xs], dtype=np.int64)
+
+
+def _secret_words(at: int, n: int) -> list[int]:
+    return [int.from_bytes(XXH3_SECRET[at + 8 * i:at + 8 * i + 8], "little") for i in range(n)]
+
+
+#: int64 bit patterns: 16 x 8 stripe keys, 8 scramble keys, 8 last-stripe keys, 8 merge keys,
+#: 8 initial lanes, 4 constants
+_XXH_TABLE = _u64([w for s in range(16) for w in _secret_words(8 * s, 8)] + _secret_words(128, 8)
+                  + _secret_words(121, 8) + _secret_words(11, 8) + list(_XXH_INIT) + list(_XXH_CONST))
+_XXH_DEV: dict = {}
+
+
+@triton.jit
+def _fold(a, b, M32):
+    """The low 64 bits of a x b XOR its high 64 bits (uint64 vectors), from 32-bit limbs."""
+    a0 = a & M32
+    a1 = a >> 32
+    b0 = b & M32
+    b1 = b >> 32
+    p00 = a0 * b0
+    p01 = a0 * b1
+    p10 = a1 * b0
+    mid = (p00 >> 32) + (p01 & M32) + (p10 & M32)
+    lo = (p00 & M32) | (mid << 32)
+    hi = a1 * b1 + (p01 >> 32) + (p10 >> 32) + (mid >> 32)
+    return lo ^ hi
+
+
+@triton.jit
+def _xxh3_long(buf, offs, lens, out, tab):
+    """XXH3-64 of chunk c (``lens[c]`` > 240 bytes at ``buf + offs[c]``, 8-byte aligned) into
+    ``out[c]`` (int64 bit pattern); one program per chunk."""
+    c = tl.program_id(0)
+    off = tl.load(offs + c)
+    n = tl.load(lens + c)
+    p8 = buf + off
+    p64 = p8.to(tl.pointer_type(tl.uint64))
+    s = tl.arange(0, 16)[:, None]
+    e = tl.arange(0, 4)[None, :]
+    ke = tl.load(tab + s * 8 + 2 * e).to(tl.uint64, bitcast=True)  # [16, 4] keys of the even lanes
+    ko = tl.load(tab + s * 8 + 2 * e + 1).to(tl.uint64, bitcast=True)
+    v = tl.arange(0, 4)
+    se = tl.load(tab + 128 + 2 * v).to(tl.uint64, bitcast=True)
+    so = tl.load(tab + 129 + 2 * v).to(tl.uint64, bitcast=True)
+    acc_e = tl.load(tab + 152 + 2 * v).to(tl.uint64, bitcast=True)
+    acc_o = tl.load(tab + 153 + 2 * v).to(tl.uint64, bitcast=True)
+    M32 = tl.load(tab + 160).to(tl.uint64, bitcast=True)
+    P32_1 = tl.load(tab + 161).to(tl.uint64, bitcast=True)
+    nb = (n - 1) // 1024
+    blk = nb * 0
+    while blk < nb:  # (a while loop: Triton's interpreter, which the CPU tests use, needs it)
+        w = blk * 128 + s * 8 + 2 * e
+        de = tl.load(p64 + w)
+        do = tl.load(p64 + w + 1)
+        ue = de ^ ke
+        uo = do ^ ko
+        acc_e += tl.sum((ue & M32) * (ue >> 32), axis=0) + tl.sum(do, axis=0)
+        acc_o += tl.sum((uo & M32) * (uo >> 32), axis=0) + tl.sum(de, axis=0)
+        acc_e = ((acc_e ^ (acc_e >> 47)) ^ se) * P32_1
+        acc_o = ((acc_o ^ (acc_o >> 47)) ^ so) * P32_1
+        blk += 1
+    ns = ((n - 1) - 1024 * nb) // 64
+    m = s < ns
+    w = nb * 128 + s * 8 + 2 * e
+    de = tl.load(p64 + w, mask=m, other=0)
+    do = tl.load(p64 + w + 1, mask=m, other=0)
+    ue = de ^ ke
+    uo = do ^ ko
+    acc_e += tl.sum(tl.where(m, (ue & M32) * (ue >> 32), 0), axis=0) + tl.sum(do, axis=0)
+    acc_o += tl.sum(tl.where(m, (uo & M32) * (uo >> 32), 0), axis=0) + tl.sum(de, axis=0)
+    j = tl.arange(0, 8)[None, :]
+    at = n - 64 + 16 * v[:, None] + j  # the last 64 bytes (any alignment), word 2v and 2v + 1
+    sh = (8 * j).to(tl.uint64)
+    we = tl.sum(tl.load(p8 + at).to(tl.uint64) << sh, axis=1)
+    wo = tl.sum(tl.load(p8 + at + 8).to(tl.uint64) << sh, axis=1)
+    ue = we ^ tl.load(tab + 136 + 2 * v).to(tl.uint64, bitcast=True)
+    uo = wo ^ tl.load(tab + 137 + 2 * v).to(tl.uint64, bitcast=True)
+    acc_e += (ue & M32) * (ue >> 32) + wo
+    acc_o += (uo & M32) * (uo >> 32) + we
+    a = acc_e ^ tl.load(tab + 144 + 2 * v).to(tl.uint64, bitcast=True)
+    b = acc_o ^ tl.load(tab + 145 + 2 * v).to(tl.uint64, bitcast=True)
+    r = n.to(tl.uint64) * tl.load(tab + 162).to(tl.uint64, bitcast=True) + tl.sum(_fold(a, b, M32), axis=0)
+    r ^= r >> 37
+    r *= tl.load(tab + 163).to(tl.uint64, bitcast=True)
+    r ^= r >> 32
+    tl.store(out + c, r.to(tl.int64, bitcast=True))
+
+
+def xxh3_chunks(buf: torch.Tensor, offs: np.ndarray, lens: np.ndarray) -> torch.Tensor:
+    """XXH3-64 of chunks ``buf[offs[i]:+lens[i]]`` (a flat uint8 CUDA tensor; every length over
+    240 bytes, every ``buf.data_ptr() + offs[i]`` a multiple of 8) as an int64 tensor on the
+    device (bit patterns), queued on the current stream."""
+    if not len(offs):
+        return torch.empty(0, dtype=torch.int64, device=buf.device)
+    if (np.asarray(lens) < HASH_MIN).any() or ((np.asarray(offs) + buf.data_ptr()) % 8).any():
+        raise ValueError("xxh3_chunks: chunks must be over 240 bytes and 8-byte aligned")
+    tab = _XXH_DEV.get(buf.device)
+    if tab is None:
+        tab = _XXH_DEV[buf.device] = torch.from_numpy(_XXH_TABLE).to(buf.device)
+    t = torch.from_numpy(np.stack([np.asarray(offs, dtype=np.int64), np.asarray(lens, dtype=np.int64)])).to(
+        buf.device, non_blocking=True)
+    out = torch.empty(len(offs), dtype=torch.int64, device=buf.device)
+    _xxh3_long[(len(offs),)](buf, t[0], t[1], out, tab)
+    return out
