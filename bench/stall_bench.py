@@ -82,8 +82,9 @@ def stalls(state, d, reps=5):
 def loop_cost(model, opt, d, steps=20, reps=3):
     """Training time lost per checkpoint, background work included: wall time of ``steps``
     training steps that begin with a checkpoint minus the same steps without one (median of
-    ``reps``); each save is waited for after the steps (not counted: a loop checkpoints far less
-    often than every ``steps`` steps)."""
+    ``reps`` rounds; every round runs each method once, in turn; also the median of the per-round
+    differences); each save is waited for after the steps (not counted: a loop checkpoints far
+    less often than every ``steps`` steps)."""
     import torch.nn.functional as F
     from gpt import corpus
     text = corpus(8 << 20).cuda()
@@ -122,10 +123,9 @@ def loop_cost(model, opt, d, steps=20, reps=3):
                "ckptzip async_save": lambda i: ckptzip.async_save(state(), f"{d}/loop_c{i}.ckz")}
     for _ in range(5):
         step()
-    out = {}
-    for name, save in methods.items():
-        ts = []
-        for i in range(reps + 1):
+    ts: dict = {name: [] for name in methods}
+    for i in range(reps + 1):  # rounds interleave the methods: drift of the machine hits all alike
+        for name, save in methods.items():
             torch.cuda.synchronize()
             t = time.perf_counter()
             pending = save(i) if save else None
@@ -138,11 +138,14 @@ def loop_cost(model, opt, d, steps=20, reps=3):
             elif hasattr(pending, "result"):
                 pending.result()
             if i:  # the first round warms up
-                ts.append(dt)
-        out[name] = statistics.median(ts)
+                ts[name].append(dt)
+    out = {name: statistics.median(v) for name, v in ts.items()}
     base = out.pop("none")
-    return {"steps": steps, "step_s": base / steps,
-            "lost_per_checkpoint_s": {k: v - base for k, v in out.items()}}
+    # each round's loss against the same round's loop without a checkpoint, then the median
+    paired = {k: statistics.median(a - b for a, b in zip(ts[k], ts["none"])) for k in out}
+    return {"steps": steps, "reps": reps, "step_s": base / steps,
+            "lost_per_checkpoint_s": {k: v - base for k, v in out.items()},
+            "lost_per_checkpoint_s_paired": paired, "rounds_s": ts}
 
 
 def staging_over_saves(state, d, n=100):
@@ -231,6 +234,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--disk", default="/tmp/ckstall")
     ap.add_argument("--saves", type=int, default=100)
+    ap.add_argument("--loop-steps", type=int, default=20, help="training steps per loop round (default 20)")
+    ap.add_argument("--loop-reps", type=int, default=3, help="timed loop rounds per method, median (default 3)")
     a = ap.parse_args()
     os.makedirs(a.disk, exist_ok=True)
     model, opt, _ = train(a.steps)
@@ -240,7 +245,7 @@ def main():
     if a.saves:
         res["stall"] = stalls(state, a.disk)
         print(json.dumps(res["stall"], indent=1), flush=True)
-        res["loop_cost"] = loop_cost(model, opt, a.disk)
+        res["loop_cost"] = loop_cost(model, opt, a.disk, a.loop_steps, a.loop_reps)
         print(json.dumps(res["loop_cost"]), flush=True)
         res["staging"] = staging_over_saves(state, a.disk, a.saves)
         print(json.dumps(res["staging"]), flush=True)
