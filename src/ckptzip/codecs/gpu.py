@@ -319,8 +319,7 @@ def _deflate_algorithm(cfg):
 def release_scratch() -> None:
     """Hand nvCOMP's cached scratch memory back to torch's allocator (called at the end of
     every save and load)."""
-    if _capi._TEMP:
-        _capi.release_scratch()
+    _capi.release_scratch()
 
 
 def _dtypes(allowed):

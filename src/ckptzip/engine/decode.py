@@ -151,10 +151,8 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                     return
                 slot = free.get()
                 rows = np.concatenate([job.rows[i:j] for job, i, j, _a, _b in grp])
-                if tk is not None and grp[0][0].codec.device == "cuda":
-                    host, soffs, later = read_stored(fd, rows, pinned=gpu, gpu_hash=True)
-                else:
-                    (host, soffs), later = read_stored(fd, rows, pinned=gpu), None
+                gpu_hash = tk is not None and grp[0][0].codec.device == "cuda"
+                host, soffs, later = read_stored(fd, rows, pinned=gpu, gpu_hash=gpu_hash)
                 q.put((slot, host, soffs, rows, later, None))
         except BaseException as e:  # re-raised by the consumer
             q.put((None, None, None, None, None, e))

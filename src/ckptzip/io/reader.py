@@ -10,19 +10,17 @@ import torch
 from ..engine.memory import ALIGN, PINNED, ceil_align
 from ..errors import ChecksumError
 from ..format import checksum
+from ..kernels import HASH_MIN
 from ..storage import READ_THREADS, pread_exact, pread_into, read_pool, run_all, will_need
 
-#: chunks of more than 240 bytes can be hashed on the GPU (XXH3's long-input path; see
-#: :func:`ckptzip.kernels._triton_bp.xxh3_chunks`, which holds the same bound)
-HASH_MIN = 241
 
 def read_stored(fd: int, batch: np.ndarray, pinned: bool = False, gpu_hash: bool = False
-                ) -> tuple[torch.Tensor, list[int]] | tuple[torch.Tensor, list[int], np.ndarray]:
+                ) -> tuple[torch.Tensor, list[int], np.ndarray | None]:
     """Read a batch's stored chunks into one host buffer and verify their checksums. Returns the
     buffer (leased from :data:`PINNED` when ``pinned``: the caller releases it; released here
     on an error) and each chunk's offset in it (16-byte aligned when the file's chunks are).
-    With ``gpu_hash``, chunks of more than 240 bytes at 8-byte aligned offsets are not verified
-    here: their indices come back third, for the caller to verify on the GPU."""
+    Third: None, or with ``gpu_hash`` the indices of the chunks not verified here (more than 240
+    bytes at 8-byte aligned offsets), for the caller to verify on the GPU."""
     stored = batch["stored"].astype(np.int64)
     fo = batch["offset"].astype(np.int64)
     n = len(batch)
@@ -38,8 +36,7 @@ def read_stored(fd: int, batch: np.ndarray, pinned: bool = False, gpu_hash: bool
     buf = PINNED.acquire(total) if pinned else torch.empty(total, dtype=torch.uint8)
     later = np.nonzero((stored >= HASH_MIN) & (offs % 8 == 0))[0] if gpu_hash else None
     try:
-        got = _read_into(fd, batch, buf, fo, offs, stored, in_order and total == span, later)
-        return (buf, got) if later is None else (buf, got, later)
+        return buf, _read_into(fd, batch, buf, fo, offs, stored, in_order and total == span, later), later
     except BaseException:
         if pinned:
             PINNED.release(buf)

@@ -24,6 +24,9 @@ import threading
 #: own kernel): nothing, ``xor`` against a reference, ``delta``'s sign-folded difference, or
 #: ``expref``'s exponent prediction from a float32 reference (32-bit words only)
 PLAIN, XOR, DELTA, EXPREF = 0, 1, 2, 3
+#: chunks of at least this many bytes are hashed on the GPU (XXH3-64's long-input path; shorter
+#: inputs use other formulas: the reader verifies those on the host)
+HASH_MIN = 241
 
 _MOD: object = False  # False: not tried; None: unavailable; else the module
 _READY = threading.Event()

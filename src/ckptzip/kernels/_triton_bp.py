@@ -12,11 +12,11 @@ _U = {2: (torch.int16, tl.uint16), 4: (torch.int32, tl.uint32), 8: (torch.int64,
 TILE = 2048
 
 
-from . import DELTA, EXPREF, PLAIN, XOR  # noqa: E402  (the kernels' MODE constexpr)
-#: ``expref`` (transforms/refs.py): the binary32 exponent field shifted right by one (bits
-#: 22..29) and the prediction ``f >> 1`` at the same place (bits 24..30 of the reference >> 2)
-_EXP_HALF = tl.constexpr(0x3FC00000)
-_PRED = tl.constexpr(0x1FC00000)
+from ..transforms.refs import EXP_HALF, EXP_PRED  # noqa: E402
+from . import DELTA, EXPREF, HASH_MIN, PLAIN, XOR  # noqa: E402  (the kernels' MODE constexpr)
+#: ``expref``'s masks (transforms/refs.py), as constants a kernel may read
+_EXP_HALF = tl.constexpr(EXP_HALF)
+_PRED = tl.constexpr(EXP_PRED)
 
 
 @triton.jit
@@ -96,12 +96,16 @@ def decode(src: torch.Tensor, dst: torch.Tensor, width: int, block: int) -> None
         _launch(_dec, src, d, d, src.numel() // width, width, block, PLAIN)
 
 
+def _check_mode(mode: int, width: int) -> None:
+    if mode not in (XOR, DELTA, EXPREF) or (mode == EXPREF and width != 4):
+        raise ValueError(f"no fused kernel for mode {mode} at width {width}")
+
+
 def encode_ref(src: torch.Tensor, ref: torch.Tensor, out: torch.Tensor, width: int, block: int, mode: int) -> None:
     """``byteplane(width, block)`` of the residual of ``src`` against ``ref`` (``mode`` XOR,
     DELTA, or EXPREF for 32-bit words) into ``out``, in one pass. All flat uint8 CUDA tensors of
     one size, word-aligned."""
-    if mode not in (XOR, DELTA, EXPREF) or (mode == EXPREF and width != 4):
-        raise ValueError(f"no fused kernel for mode {mode} at width {width}")
+    _check_mode(mode, width)
     if src.numel() >= width:
         it = _U[width][0]
         _launch(_enc, src.view(it), ref.view(it), out, src.numel() // width, width, block, mode)
@@ -111,8 +115,7 @@ def decode_ref(src: torch.Tensor, ref: torch.Tensor, dst: torch.Tensor, width: i
     """Inverse of :func:`encode_ref`: ``dst`` = the words of planes ``src`` with the residual
     against ``ref`` undone; ``ref`` may be ``dst`` for XOR and DELTA (each word is read before
     it is written)."""
-    if mode not in (XOR, DELTA, EXPREF) or (mode == EXPREF and width != 4):
-        raise ValueError(f"no fused kernel for mode {mode} at width {width}")
+    _check_mode(mode, width)
     if src.numel() >= width:
         it = _U[width][0]
         _launch(_dec, src, ref.view(it), dst.view(it), src.numel() // width, width, block, mode)
@@ -190,7 +193,6 @@ XXH3_SECRET = bytes.fromhex(
     "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364"
     "eac5ac8334d3ebc3c581a0fffa1363eb170ddd51b7f0da49d316552629d4689e"
     "2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e")
-HASH_MIN = 241  # shorter chunks: hashed on the host
 _XXH_INIT = (0xC2B2AE3D, 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
              0x85EBCA77C2B2AE63, 0x85EBCA77, 0x27D4EB2F165667C5, 0x9E3779B1)
 _XXH_CONST = (0xFFFFFFFF, 0x9E3779B1, 0x9E3779B185EBCA87, 0x165667919E3779F9)

@@ -105,8 +105,9 @@ class BytePlane(Transform):
     def decode(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Inverse of :meth:`encode`, written into the preallocated uint8 ``dst``."""
         w, b = self.width, self.block
-        if src.is_cuda and dst.is_cuda and triton_kernels(start=False) is not None:
-            return triton_kernels().decode(src, dst, w, b)
+        tk = triton_kernels(start=False) if src.is_cuda and dst.is_cuda else None
+        if tk is not None:
+            return tk.decode(src, dst, w, b)
         if src.device.type == "cpu" and dst.device.type == "cpu":
             return _np_decode(src.numpy(), dst.numpy(), w, b)
         return self._torch_decode(src, dst)

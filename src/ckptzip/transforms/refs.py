@@ -329,7 +329,7 @@ class Delta(RefTransform):
 _TORCH_ON_CPU = False
 #: the binary32 exponent field shifted right by one (bits 22..29), and the prediction ``f >> 1``
 #: at the same place (bits 22..28: bits 24..30 of the reference word shifted right by two)
-_EXP_HALF, _PRED = 0x3FC00000, 0x1FC00000
+EXP_HALF, EXP_PRED = 0x3FC00000, 0x1FC00000
 
 
 class _ExpPredictor(RefTransform):
@@ -398,7 +398,7 @@ class ExpRef(_ExpPredictor):
             _np_exp_add23(x, o, q, sign)
             return
         x, r, o = src.view(torch.int32), ref.view(torch.int32), out.view(torch.int32)
-        _torch_exp_add22(x, o, (r >> 2).bitwise_and_(_PRED), sign)
+        _torch_exp_add22(x, o, (r >> 2).bitwise_and_(EXP_PRED), sign)
 
 
 
@@ -430,9 +430,9 @@ def _torch_exp_add22(x: torch.Tensor, o: torch.Tensor, p: torch.Tensor, sign: in
     (at bits 22..29, the field shifted right by one) mod 256. Torch's int32 arithmetic is signed:
     working on the half-shifted field keeps every sum and difference inside int32 (numpy's
     uint32 path, :func:`_np_exp_add23`, adds at bit 23 and puts bit 31 back instead)."""
-    xe = (x >> 1).bitwise_and_(_EXP_HALF)
+    xe = (x >> 1).bitwise_and_(EXP_HALF)
     torch.bitwise_xor(x, xe << 1, out=o)
-    xe.add_(p, alpha=sign).bitwise_and_(_EXP_HALF).bitwise_left_shift_(1)
+    xe.add_(p, alpha=sign).bitwise_and_(EXP_HALF).bitwise_left_shift_(1)
     o.bitwise_or_(xe)
 
 
