@@ -504,9 +504,9 @@ def test_level_break_survives_an_empty_first_storage(tmp_path, monkeypatch):
     grouped = []
     real = D.decode_group
 
-    def spy(src, soffs, rows_, grp, work):
+    def spy(src, soffs, rows_, grp, work, *rest):
         grouped.append({type(j.ref).__name__ if j.ref else "plain" for j, *_ in grp})
-        return real(src, soffs, rows_, grp, work)
+        return real(src, soffs, rows_, grp, work, *rest)
     monkeypatch.setattr(D, "decode_group", spy)
     back = ckptzip.load(q)
     assert torch.equal(back["m"].view(torch.int32), m.view(torch.int32))

@@ -339,6 +339,131 @@ def test_fused_expref_planes_match_two_steps(n, block):
     assert fused_planes(transforms.BytePlane(2, block), ExpRef(1).bind(vb), 0, mb) is None
 
 
+@pytest.mark.parametrize("kind", ["plain2", "plain4", "plain8", "xor4", "delta2", "expref", "expref_words", "derived",
+                                  "derived_planes", "expgrid", "expgrid_words"])
+def test_multi_segment_kernel_matches_per_storage(kind):
+    """One ``decode_multi`` launch over segments of many sizes, each with its own destination and
+    reference allocation, and storages cut in two segments at a block boundary (the second one
+    starting mid-storage), writes what the per-storage steps (CPU) write; ``derived`` on every
+    rounding edge pattern and NaN payload."""
+    from ckptzip import transforms
+    from ckptzip.kernels import DELTA, DERIVED, EXPGRID, EXPREF, PLAIN, XOR, triton_kernels
+    from ckptzip.transforms.refs import Delta, ExpGrid, ExpRef, cast16
+    tk = triton_kernels(wait=True)
+    if tk is None:
+        pytest.skip("no Triton")
+    mode, w, planes = {"plain2": (PLAIN, 2, True), "plain4": (PLAIN, 4, True), "plain8": (PLAIN, 8, True),
+                       "xor4": (XOR, 4, True), "delta2": (DELTA, 2, True), "expref": (EXPREF, 4, True),
+                       "expref_words": (EXPREF, 4, False), "derived": (DERIVED, 2, False),
+                       "derived_planes": (DERIVED, 2, True), "expgrid": (EXPGRID, 4, True),
+                       "expgrid_words": (EXPGRID, 4, False)}[kind]
+    g = np.random.default_rng(len(kind))
+    counts = [1, 3, 2047, 2048, 2049, 100_003, 5, 7 * 3001]
+    if mode == DERIVED:
+        hi = np.arange(1 << 16, dtype=np.uint32)
+        lows = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=np.uint32)
+        counts.append(len(hi) * len(lows))
+    block = 1000
+    parts = []  # (storage's residual-encoded bytes of one segment, destination slice, ref address, words, w0, coff, cols)
+    want = []
+    keep = []
+    for c in counts:
+        nb = c * w
+        coff = cols = 0
+        if mode == DERIVED:
+            u = ((hi[:, None] << 16) | lows[None, :]).reshape(-1) if c > 200_000 else g.integers(0, 1 << 32, c, dtype=np.uint32)
+            ref = torch.from_numpy(u.view(np.uint8).copy())
+            pred = cast16(ref, "bfloat16").view(torch.uint8)
+            target = pred.clone()
+            target[::5] = torch.from_numpy(g.integers(0, 256, len(target[::5]), dtype=np.uint8))
+            resid = target ^ pred
+        elif mode == EXPGRID:
+            cols = 7 if c % 7 == 0 else 1
+            eg = ExpGrid(c // cols, cols, g.integers(0, 1 << 16, c // cols).astype("<u2"),
+                         g.integers(-(1 << 15), 1 << 15, cols).astype("<i2"))
+            target = torch.from_numpy(g.integers(0, 256, nb, dtype=np.uint8))
+            resid = eg.encode(target)
+            r32, c32 = eg._pred(torch.device("cuda"), 0, eg.rows)
+            ref, coff = r32, c32
+            keep.append((r32, c32))
+        else:
+            ref = torch.from_numpy(g.integers(0, 256, nb, dtype=np.uint8))
+            target = torch.from_numpy(g.integers(0, 256, nb, dtype=np.uint8))
+            resid = {PLAIN: lambda: target, XOR: lambda: target ^ ref,
+                     DELTA: lambda: Delta(0, 0, w).bind(ref).encode(target),
+                     EXPREF: lambda: ExpRef(0).bind(ref).encode(target)}[mode]()
+        dst = torch.empty(nb, dtype=torch.uint8, device="cuda")
+        rg = ref if ref.is_cuda else ref.cuda()
+        keep.append(rg)
+        want.append((dst, target))
+        cut = block * 2 if c > block * 3 else c  # words in the first segment
+        for a, b in ((0, cut), (cut, c)):
+            if b > a:
+                seg = resid[a * w:b * w]
+                enc = transforms.BytePlane(w, block).encode(seg) if planes else seg
+                rptr = rg.data_ptr() + (0 if mode == EXPGRID else a * w * (2 if mode == DERIVED else 1))
+                parts.append((enc, dst.data_ptr() + a * w, rptr, b - a, a, coff.data_ptr() if mode == EXPGRID else 0, cols))
+    stream = torch.zeros(sum(-(-len(p[0]) // 16) * 16 for p in parts), dtype=torch.uint8, device="cuda")
+    segs, pos = [], 0
+    base = stream.data_ptr()
+    for enc, dptr, rptr, n, a, cptr, cols in parts:
+        stream[pos:pos + len(enc)] = enc.cuda()
+        segs.append((pos, dptr - base, rptr - base if mode != PLAIN else 0, n, block,
+                     cptr - base if cptr else 0, cols, a))
+        pos += -(-len(enc) // 16) * 16
+    cols_ = np.asarray(segs, dtype=np.int64).T
+    tk.decode_multi(stream, *cols_, w, mode, planes)
+    for dst, target in want:
+        assert torch.equal(dst.cpu(), target)
+
+
+def test_loads_undo_chains_in_one_launch_per_kind(tmp_path, monkeypatch):
+    """A GPU load of a mixed state (fp32 weights, their bf16 copy, Adam m and v, small and odd
+    tensors) undoes its chains through the multi-segment kernels, bit-exact, and equals the load
+    storage by storage."""
+    import ckptzip.engine.decode as dec
+    from ckptzip.kernels import triton_kernels
+    if triton_kernels(wait=True) is None:
+        pytest.skip("no Triton")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = {f"w{i}": torch.randn(n, device="cuda", generator=g) * 0.02 for i, n in enumerate([3, 1000, 65_536, 300_001])}
+    v = {k: (torch.randn_like(x) * 1e-3) ** 2 for k, x in w.items()}
+    st = {"model": w, "bf16": {k: x.bfloat16() for k, x in w.items()},
+          "opt": {k: {"exp_avg": torch.randn_like(x) * v[k].sqrt(), "exp_avg_sq": v[k], "step": torch.tensor(5.0)}
+                  for k, x in w.items()},
+          "ids": torch.arange(1001, device="cuda", dtype=torch.int32), "h": torch.randn(77, device="cuda").half()}
+    p = tmp_path / "m.ckz"
+    info = ckptzip.save(st, p)
+    assert info.get("derived_storages") and info.get("expref_storages")
+    kinds = []
+    real = dec.multi_segment
+
+    def spy(*a, **k):
+        r = real(*a, **k)
+        kinds.append(r[0] if r is not None else None)
+        return r
+    monkeypatch.setattr(dec, "multi_segment", spy)
+    back = ckptzip.load(p, map_location="cuda")
+    from ckptzip.kernels import DERIVED, EXPREF, PLAIN
+    assert {PLAIN, DERIVED, EXPREF} <= set(kinds)
+
+    def flat(o, pre=""):
+        if isinstance(o, dict):
+            for k, x in o.items():
+                yield from flat(x, f"{pre}.{k}")
+        else:
+            yield pre, o
+    want = dict(flat(st))
+    got = dict(flat(back))
+    assert set(got) == set(want)
+    for k in want:
+        assert same_bits(got[k], want[k]), k
+    monkeypatch.setattr(dec, "_MULTI", [False])
+    one = dict(flat(ckptzip.load(p, map_location="cuda")))
+    for k in want:
+        assert same_bits(one[k], want[k]), k
+
+
 def test_fused_incremental_file_equals_unfused(tmp_path, monkeypatch):
     """An incremental save and load on the GPU through the fused kernels: the chunk table of the
     two-step path (nvCOMP's ANS leaves a few bytes inside a chunk unset, so chunk bytes are
@@ -362,8 +487,15 @@ def test_fused_incremental_file_equals_unfused(tmp_path, monkeypatch):
         r = real(*args, **kw)
         calls.append(r is not None)
         return r
+    real_multi = dec.multi_segment
+
+    def spy_multi(*args, **kw):
+        r = real_multi(*args, **kw)
+        calls.append(r is not None and r[0] in (1, 2))  # XOR, DELTA: the fused reference modes
+        return r
     monkeypatch.setattr(enc, "fused_planes", spy)
     monkeypatch.setattr(dec, "fused_planes", spy)
+    monkeypatch.setattr(dec, "multi_segment", spy_multi)
     info = ckptzip.save(s2, b, base=a, codec="ans")
     assert info["delta_storages"] > 0 and any(calls)
     n = len(calls)
@@ -381,6 +513,7 @@ def test_fused_incremental_file_equals_unfused(tmp_path, monkeypatch):
         assert same_bits(back[k], v.cpu()), k
     monkeypatch.setattr(enc, "fused_planes", lambda *a, **k: None)
     monkeypatch.setattr(dec, "fused_planes", lambda *a, **k: None)
+    monkeypatch.setattr(dec, "multi_segment", lambda *a, **k: None)
     ckptzip.save(s2, c, base=a, codec="ans")
     rb, rc = read_parts(b)[2], read_parts(c)[2]
     for f in ("raw", "stored", "flags", "offset"):

@@ -20,7 +20,7 @@ from .storage import (FileObjectSource, RemoteSource, is_file_object, is_url, lo
                       pread_into)
 from .incremental import chain as _chain
 from .incremental import manifest_sha256, open_base
-from .tree import Decoder, contiguous_stride, tensor_keys
+from .tree import Decoder, contiguous_stride, tensor_keys, tensor_nodes
 
 Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
 _VERIFY_BATCH = 256 << 20  # decoded bytes per verify batch
@@ -167,6 +167,7 @@ class CheckpointReader:
             raise
         self._cache: dict[int, torch.Tensor] = {}
         self._chains: dict = {}  # parsed transform chains and codecs (engine.storage_chain)
+        self._devices: dict = {}  # (saved device, str or torch.device map_location) -> device
         self._gpu: bool | None = None
 
     def _open(self) -> None:
@@ -253,7 +254,13 @@ class CheckpointReader:
         if callable(ml) and not isinstance(ml, Mapping) and _torch_style(ml):
             dev = torch.device("cpu")  # decoded on the host, then handed to ml(storage, location)
         else:
-            dev = _resolve_device(s.get("device", "cpu") if t == "tensor" else "cpu", ml)
+            saved = s.get("device", "cpu") if t == "tensor" else "cpu"
+            key = (saved, ml) if ml is None or isinstance(ml, (str, torch.device)) else None
+            dev = self._devices.get(key) if key is not None else None
+            if dev is None:
+                dev = _resolve_device(saved, ml)
+                if key is not None:
+                    self._devices[key] = dev
         return self._job_into(i, torch.empty(s["nbytes"], dtype=torch.uint8, device=dev))
 
     def _job_into(self, i: int, out: torch.Tensor) -> Job:
@@ -263,7 +270,8 @@ class CheckpointReader:
         if self.decode_device is None and out.device.type != "cuda" and self._gpu is None:
             self._gpu = gpu_ok()
         work = self.decode_device or ("cuda" if out.device.type == "cuda" or self._gpu else "cpu")
-        ref, tf, codec = storage_chain(s, work, self._chains)
+        chains = self.manifest.chains
+        ref, tf, codec = storage_chain(s, work, self._chains, chains[i] if chains is not None else None)
         first, count = s["rows"]
         return Job(self.manifest.rows[first:first + count], tf, codec, out, ref)
 
@@ -401,7 +409,7 @@ class CheckpointReader:
         """Decode every storage in one pipelined pass (file order), using each storage's first
         referencing node kind to place it (a storage reached by no key is decoded on demand)."""
         kinds: dict[int, str] = {}
-        for n in self._tensor_nodes().values():
+        for n in (self._tensor_nodes().values() if self._paths is not None else tensor_nodes(self.manifest.doc["root"])):
             if type(n.get("s")) is int:
                 kinds.setdefault(n["s"], n["t"])
         kinds = {i: t for i, t in sorted(kinds.items()) if 0 <= i < len(self.storages)}

@@ -81,6 +81,8 @@ class Manifest:
     rows: np.ndarray          # structured ROW array
     data_end: int             # first byte after the data section (= manifest offset)
     total_nbytes: int = 0     # sum of every storage's declared nbytes
+    #: each storage's parsed chain, ``[(transform config, transform or None)]`` (validate.py)
+    chains: list | None = None
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -155,5 +157,6 @@ def parse_manifest(raw: bytes, digest: int, data_end: int) -> Manifest:
             _need(False, f"storage {int(wrong[0])} chunk sizes do not add up")
     _need("root" in doc, "root")
     # the one validation pass over every field a reader uses (validate.py)
-    total = validate_document(doc, n)
-    return Manifest(doc, rows, data_end, total)
+    chains: list = []
+    total = validate_document(doc, n, chains)
+    return Manifest(doc, rows, data_end, total, chains)

@@ -333,6 +333,24 @@ def _components(n: Any, comps: tuple, out: list, depth: int) -> None:
             _components(v, comps + ((str(i), i),), out, depth + 1)
 
 
+def tensor_nodes(root: Any) -> list:
+    """Every tensor/ndarray node of a (validated) tree, in the order of :func:`tensor_keys`,
+    without building their keys."""
+    out: list = []
+    stack = [(root, 0)]
+    while stack:
+        n, depth = stack.pop()
+        if depth > MAX_DEPTH or not isinstance(n, dict):
+            continue
+        t = n.get("t")
+        if t in ("tensor", "ndarray"):
+            out.append(n)
+        elif t in ("dict", "odict", "list", "tuple") and isinstance(n.get("v"), list) and (
+                t in ("list", "tuple") or isinstance(n.get("k"), list)):
+            stack.extend((v, depth + 1) for v in reversed(n["v"]))
+    return out
+
+
 def escaped_key(comps: tuple) -> str:
     """The unambiguous key of a tensor: its path as a JSON array (strings stay strings, int keys
     and list indices are numbers, other keys are their manifest key nodes)."""

@@ -124,8 +124,11 @@ def dec_to_int(s: Any) -> int:
 
 
 # -- the document -------------------------------------------------------------------------------
-def validate_document(doc: dict[str, Any], n_chunks: int) -> int:
+def validate_document(doc: dict[str, Any], n_chunks: int, chains: list | None = None) -> int:
     """Check every field a reader uses; return the total declared bytes of all storages.
+    ``chains``: a list that receives each storage's parsed chain, ``[(transform config, parsed
+    transform or None for an unknown id)]`` (storages with equal configs share one list, never
+    modified), so that readers need not parse them again.
 
     Raises CorruptFileError (or UnknownCodecError for codec/transform parameters no
     implementation knows). Codec and transform *ids* that this version does not know are left to
@@ -140,16 +143,19 @@ def validate_document(doc: dict[str, Any], n_chunks: int) -> int:
     n_bases = _bases(doc)
     total = 0
     seen: dict = {}  # configs already checked: storages usually share a few of them
+    parsed = [] if chains is None else chains
     for i, s in enumerate(storages):
-        total += _storage(i, s, seen)
-    _refs(storages, n_bases)
+        nb, chain = _storage(i, s, seen)
+        total += nb
+        parsed.append(chain)
+    _refs(storages, n_bases, parsed)
     if "root" not in doc:
         raise _bad("root")
     _Tree(len(storages)).node(doc["root"], 0)
     return total
 
 
-def _storage(i: int, s: Any, seen: dict | None = None) -> int:
+def _storage(i: int, s: Any, seen: dict | None = None) -> tuple[int, list]:
     if not isinstance(s, dict):
         raise _bad(f"storage {i}")
     nb = s.get("nbytes")
@@ -178,7 +184,7 @@ def _storage(i: int, s: Any, seen: dict | None = None) -> int:
     for tf, t in parsed:
         if t is not None and not t.accepts(nb):
             raise CorruptFileError(f"storage size does not fit its {tf['id']} transform (not a multiple of its width, or another size)")
-    return nb
+    return nb, parsed
 
 
 def _chain(i: int, codec: dict, tfs: list) -> list:
@@ -233,17 +239,16 @@ def _bases(doc: dict[str, Any]) -> int:
     return len(bases)
 
 
-def _refs(storages: list, n_bases: int) -> None:
+def _refs(storages: list, n_bases: int, chains: list) -> None:
     """Reference fields of ``xor``/``delta``/``derived``/``expref``: in range, sizes that match,
     and no cycle among references within the file (``derived``, ``expref``: a storage is decoded
-    after the storage it refers to)."""
+    after the storage it refers to). ``chains``: each storage's parsed chain (:func:`_chain`)."""
     deps: dict[int, int] = {}
     for i, s in enumerate(storages):
         tfs = s.get("transforms", [])
         if not tfs or tfs[0]["id"] not in REF_TRANSFORMS:
             continue
-        from .transforms import get_transform
-        t = get_transform(tfs[0])  # option names and integer fields checked there
+        t = chains[i][0][1]  # parsed by _chain: option names and integer fields checked there
         if t.wire_id in ("xor", "delta"):
             if t.base >= n_bases:
                 raise _bad(f"storage {i}: {t.wire_id} refers to base {t.base}, which does not exist")

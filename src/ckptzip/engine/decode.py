@@ -22,7 +22,7 @@ from ..io.reader import read_stored
 from ..kernels import triton_kernels
 from ..transforms import RefTransform, Transform, get_transform
 from ..transforms.byteplane import np_decode_onto
-from ..transforms.refs import Delta, fused_planes, planes_after_ref
+from ..transforms.refs import Delta, fused_planes, multi_segment, planes_after_ref
 from .memory import ALIGN, PINNED, copy_segments
 from .plan import DEFAULT_WINDOW, codec_key
 
@@ -31,27 +31,43 @@ from .plan import DEFAULT_WINDOW, codec_key
 CPU_GROUP = 16 << 20
 
 
-def storage_chain(s: dict[str, Any], device: str, cache: dict | None = None
+def storage_chain(s: dict[str, Any], device: str, cache: dict | None = None, parsed: list | None = None
                   ) -> tuple[RefTransform | None, Transform | None, Codec]:
     """A storage's transform chain and codec: ``(reference transform or None, byteplane or None,
     codec)``. Format 1.1 chains have at most two elements, a reference transform (``xor``,
     ``derived``) only first; the reference transform comes back unbound. ``cache`` (one per
     reader): storages with the same configs share the parsed objects (unbound, never modified:
     binding makes a copy), so a file of many storages parses each distinct chain once; the
-    size check runs for every storage."""
+    size check runs for every storage. ``parsed``: the storage's chain as the manifest's
+    validation parsed it (``Manifest.chains``; storages with equal configs share one list, the
+    cache key then), not parsed again."""
     tfs = s.get("transforms", [])
-    key = (repr(tfs), repr(s.get("codec")), device) if cache is not None else None
+    if cache is None:
+        key = None
+    elif parsed is not None:
+        key = (id(parsed), device)  # (the reader keeps the manifest, so the list outlives the cache)
+    else:
+        key = (repr(tfs), repr(s.get("codec")), device)
     got = cache.get(key) if key is not None else None
     if got is None:
         if len(tfs) > 2:
             raise CorruptFileError("transform chains have at most two elements (format 1.1)")
-        parsed = [get_transform(t) for t in tfs]
+        if parsed is not None:
+            parsed = [t if t is not None else get_transform(cfg) for cfg, t in parsed]
+        else:
+            parsed = [get_transform(t) for t in tfs]
         ref = parsed[0] if parsed and isinstance(parsed[0], RefTransform) else None
         rest = parsed[1:] if ref is not None else parsed
         if len(rest) > 1 or any(isinstance(t, RefTransform) for t in rest):
             raise CorruptFileError("a reference transform (xor, derived) may only be the first of a chain "
                                    "of at most two")
-        got = (ref, rest[0] if rest else None, get_codec(s["codec"], device))
+        ckey = ("codec", repr(s["codec"]), device) if cache is not None else None
+        codec = cache.get(ckey) if ckey is not None else None
+        if codec is None:
+            codec = get_codec(s["codec"], device)
+            if ckey is not None:
+                cache[ckey] = codec
+        got = (ref, rest[0] if rest else None, codec)
         if key is not None:
             if len(cache) > 4096:
                 cache.clear()
@@ -150,7 +166,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                 if stop.is_set():
                     return
                 slot = free.get()
-                rows = np.concatenate([job.rows[i:j] for job, i, j, _a, _b in grp])
+                rows = _cat_rows([job.rows[i:j] for job, i, j, _a, _b in grp])
                 gpu_hash = tk is not None and grp[0][0].codec.device == "cuda"
                 host, soffs, later = read_stored(fd, rows, pinned=gpu, gpu_hash=gpu_hash)
                 q.put((slot, host, soffs, rows, later, None))
@@ -172,6 +188,15 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
             except queue.Empty:
                 pass
             t.join(timeout=0.01)
+
+
+def _cat_rows(parts: list[np.ndarray]) -> np.ndarray:
+    """Chunk-table rows (contiguous slices of one structured array) concatenated as bytes: numpy's
+    concatenate of structured arrays promotes their fields per array (a millisecond per hundred
+    storages, holding the GIL)."""
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate([np.ascontiguousarray(p).view(np.uint8) for p in parts]).view(parts[0].dtype)
 
 
 def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress, tk=None) -> None:
@@ -202,7 +227,7 @@ def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress, tk=
             got = tk.xxh3_chunks(src, np.asarray(soffs, dtype=np.int64)[later], rows["stored"][later].astype(np.int64))
             hashed = (got.to("cpu", non_blocking=True), rows["xxh3"][later], rows["offset"][later])
         try:
-            decode_group(src, soffs, rows, grp, work)
+            decode_group(src, soffs, rows, grp, work, tk)
         except BaseException:
             if hashed is not None:
                 torch.cuda.current_stream().synchronize()
@@ -238,9 +263,10 @@ def _verify_gpu_hashes(hashed) -> None:
         raise ChecksumError(f"chunk at file offset {int(offs[bad[0]])} fails its checksum")
 
 
-def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: list, work: str) -> None:
+def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: list, work: str, tk=None) -> None:
     """Decode a group of batches (``rows`` concatenated in group order, already verified): raw
-    chunks are copied, codec chunks go to one call per codec, transforms are undone per batch."""
+    chunks are copied, codec chunks go to one call per codec, transforms are undone per batch,
+    or, on the GPU with the Triton kernels ``tk``, in one launch per kind of transform chain."""
     stored = rows["stored"].astype(np.int64)
     raws = rows["raw"].astype(np.int64)
     soffs = np.asarray(soffs, dtype=np.int64)
@@ -279,7 +305,10 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     if work == "cpu" and all(job.out.device.type == "cpu" for job, *_ in grp):
         _cpu_untransform(stream, grp, starts.tolist())
         return
-    for (job, i, j, a, b), pos in zip(grp, starts.tolist()):
+    todo = zip(grp, starts.tolist())
+    if work == "cuda" and tk is not None and _MULTI[0]:
+        todo = _untransform_multi(tk, stream, list(todo))
+    for (job, i, j, a, b), pos in todo:
         part = stream[pos:pos + (b - a)]
         dst = job.out[a:b]
         # (chunks decoded on the CPU for a GPU tensor: the two steps)
@@ -301,6 +330,52 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
                 dst.copy_(tmp)
         else:
             dst.copy_(part)
+
+
+_MULTI = [True]  # False once a multi-segment kernel failed to compile: storage by storage from then on
+
+
+def _untransform_multi(tk, stream: torch.Tensor, todo: list) -> list:
+    """Undo the transforms of a GPU group's batches (``((job, i, j, a, b), position in stream)``)
+    with one kernel launch per kind of chain (:func:`~ckptzip.transforms.refs.multi_segment`) and
+    one segment copy for the batches without transforms; return the batches left to undo one by
+    one (other chains, destinations elsewhere, and all of a kind whose kernel failed to compile).
+    The host only builds offset tables: a few microseconds per batch instead of a launch or
+    several torch operations each."""
+    base = stream.data_ptr()
+    kinds: dict[tuple, list] = {}
+    copies: list = []
+    rest: list = []
+    for item in todo:
+        (job, _i, _j, a, b), pos = item
+        out = job.out
+        if out.device != stream.device:
+            rest.append(item)
+        elif job.ref is None and job.tf is None:
+            copies.append(item)
+        else:
+            k = multi_segment(job.tf, job.ref, a, b - a, out)
+            if k is None:
+                rest.append(item)
+            else:
+                mode, w, planes, block, rptr, cptr, ncols, w0 = k
+                kinds.setdefault((mode, w, planes), []).append(
+                    (item, (pos, out.data_ptr() + a - base, rptr - base, (b - a) // w, block,
+                            cptr - base if cptr else 0, ncols, w0)))
+    if copies:
+        cols = np.asarray([(pos, job.out.data_ptr() + a - base, b - a) for (job, _i, _j, a, b), pos in copies],
+                          dtype=np.int64).T
+        tk.copy_segments(stream, cols[0], stream, cols[1], cols[2])
+    for (mode, w, planes), segs in kinds.items():
+        if _MULTI[0]:
+            try:
+                cols = np.asarray([s for _item, s in segs], dtype=np.int64).T
+                tk.decode_multi(stream, *cols, w, mode, planes)
+                continue
+            except Exception:  # noqa: BLE001 (Triton compile errors of several kinds; nothing launched)
+                _MULTI[0] = False
+        rest.extend(item for item, _s in segs)
+    return rest
 
 
 def _np_copy_segments(src: np.ndarray, soffs: np.ndarray, dst: np.ndarray, doffs: np.ndarray,

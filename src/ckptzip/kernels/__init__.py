@@ -22,8 +22,10 @@ import threading
 
 #: what a byteplane kernel does besides the planes (its MODE, a constexpr: each compiles to its
 #: own kernel): nothing, ``xor`` against a reference, ``delta``'s sign-folded difference, or
-#: ``expref``'s exponent prediction from a float32 reference (32-bit words only)
-PLAIN, XOR, DELTA, EXPREF = 0, 1, 2, 3
+#: ``expref``'s exponent prediction from a float32 reference (32-bit words only), or (multi-segment
+#: loads only) ``derived``'s bfloat16 rounding of a float32 reference and ``expgrid``'s row + column
+#: exponent prediction
+PLAIN, XOR, DELTA, EXPREF, DERIVED, EXPGRID = 0, 1, 2, 3, 4, 5
 #: chunks of at least this many bytes are hashed on the GPU (XXH3-64's long-input path; shorter
 #: inputs use other formulas: the reader verifies those on the host)
 HASH_MIN = 241
@@ -71,6 +73,14 @@ def _warm(device: int) -> None:
                             if width == 4:  # expref (Adam's m against v) is in every default save
                                 mod.encode_ref(x, x, y, width, block, EXPREF)
                                 mod.decode_ref(y, x, torch.empty_like(x), width, block, EXPREF)
+                z = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
+                one = np.array([[0], [32768], [16384], [512], [256], [24576], [16], [0]], dtype=np.int64)
+                for width, mode, planes in ((2, PLAIN, True), (4, PLAIN, True), (8, PLAIN, True), (4, EXPREF, True),
+                                            (4, EXPREF, False), (2, DERIVED, False), (4, EXPGRID, True)):
+                    # (loads: one launch per kind of chain)
+                    if _STOP.is_set():
+                        return
+                    mod.decode_multi(z, *one, width, mode, planes)
                 a = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
                 offs = np.array([0, 64], dtype=np.int64)
                 lens = np.array([32, 17], dtype=np.int64)

@@ -12,11 +12,12 @@ _U = {2: (torch.int16, tl.uint16), 4: (torch.int32, tl.uint32), 8: (torch.int64,
 TILE = 2048
 
 
-from ..transforms.refs import EXP_HALF, EXP_PRED  # noqa: E402
-from . import DELTA, EXPREF, HASH_MIN, PLAIN, XOR  # noqa: E402  (the kernels' MODE constexpr)
+from ..transforms.refs import EXP_HALF, EXP_PRED, NAN16  # noqa: E402
+from . import DELTA, DERIVED, EXPGRID, EXPREF, HASH_MIN, PLAIN, XOR  # noqa: E402  (the kernels' MODE constexpr)
 #: ``expref``'s masks (transforms/refs.py), as constants a kernel may read
 _EXP_HALF = tl.constexpr(EXP_HALF)
 _PRED = tl.constexpr(EXP_PRED)
+_NAN_BF16 = tl.constexpr(NAN16["bfloat16"])  # ``derived``'s NaN
 
 
 @triton.jit
@@ -119,6 +120,93 @@ def decode_ref(src: torch.Tensor, ref: torch.Tensor, dst: torch.Tensor, width: i
     if src.numel() >= width:
         it = _U[width][0]
         _launch(_dec, src, ref.view(it), dst.view(it), src.numel() // width, width, block, mode)
+
+
+@triton.jit(do_not_specialize=["nseg", "ntiles"])  # new counts must not mean new compiles
+def _dec_multi(base, table, nseg, ntiles, W: tl.constexpr, BITS: tl.constexpr, UT: tl.constexpr,
+               TILE: tl.constexpr, MODE: tl.constexpr, PLANES: tl.constexpr):
+    """``_dec`` over many segments in one launch. Segment g: its source at byte ``soff`` of
+    ``base`` (byte planes of blocks of ``block`` words, or the residual words themselves where not
+    PLANES), its destination and reference at byte offsets ``doff`` and ``roff`` from ``base``
+    (any allocation on the device), ``n`` words: the columns of ``table`` (8 rows of ``nseg``:
+    soff, doff, roff, n, block, coff, cols, w0), followed by each program's segment and first
+    word (2 rows of ``ntiles``). MODE DERIVED (16-bit words): the residual XOR the bfloat16
+    rounding of the float32 reference words. MODE EXPGRID: ``expgrid``'s prediction of word
+    ``w0 + k`` of a ``cols``-column matrix from int32 row terms at ``roff`` and column terms at
+    ``coff``."""
+    pid = tl.program_id(0)
+    g = tl.load(table + 8 * nseg + pid)
+    t0 = tl.load(table + 8 * nseg + ntiles + pid)
+    soff = tl.load(table + g)
+    doff = tl.load(table + nseg + g)
+    roff = tl.load(table + 2 * nseg + g)
+    n = tl.load(table + 3 * nseg + g)
+    idx = t0 + tl.arange(0, TILE).to(tl.int64)
+    mask = idx < n
+    if PLANES:
+        block = tl.load(table + 4 * nseg + g)
+        b = idx // block
+        j = idx - b * block
+        m = tl.minimum(block, n - b * block)
+        at = b * block * W + j
+        r = tl.zeros([TILE], dtype=UT)
+        for k in tl.static_range(W):
+            byte = tl.load(base + soff + at + k * m, mask=mask).to(UT)
+            r = r | (byte << (8 * k))
+        d = (r >> 1) | (r << (BITS - 1))
+    else:
+        d = tl.load((base + soff).to(tl.pointer_type(UT)) + idx, mask=mask)
+    rp = (base + roff).to(tl.pointer_type(UT))
+    if MODE == 1:
+        d = d ^ tl.load(rp + idx, mask=mask)
+    elif MODE == 2:
+        top = d >> (BITS - 1)
+        d = tl.load(rp + idx, mask=mask) + (d ^ ((top << (BITS - 1)) - top))
+    elif MODE == 3:
+        p = (tl.load(rp + idx, mask=mask) >> 2) & _PRED
+        xe = (d >> 1) & _EXP_HALF
+        d = (d ^ (xe << 1)) | (((xe + p) & _EXP_HALF) << 1)
+    elif MODE == 4:
+        u = tl.load((base + roff).to(tl.pointer_type(tl.uint32)) + idx, mask=mask)
+        c = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16)
+        c = tl.where((u & 0x7FFFFFFF) > 0x7F800000, _NAN_BF16, c).to(UT)
+        d = d ^ c
+    elif MODE == 5:
+        gw = tl.load(table + 7 * nseg + g) + idx
+        cols = tl.load(table + 6 * nseg + g)
+        i = gw // cols
+        rr = tl.load((base + roff).to(tl.pointer_type(tl.int32)) + i, mask=mask)
+        cc = tl.load((base + tl.load(table + 5 * nseg + g)).to(tl.pointer_type(tl.int32)) + (gw - i * cols), mask=mask)
+        p = (((rr + cc) >> 8) & 0xFF).to(UT) << 22
+        xe = (d >> 1) & _EXP_HALF
+        d = (d ^ (xe << 1)) | (((xe + p) & _EXP_HALF) << 1)
+    tl.store((base + doff).to(tl.pointer_type(UT)) + idx, d, mask=mask)
+
+
+def decode_multi(base: torch.Tensor, soffs, doffs, roffs, nwords, blocks, coffs, cols, w0s, width: int,
+                 mode: int, planes: bool) -> None:
+    """Undo one kind of transform for many segments in one launch (see ``_dec_multi``): offsets
+    in bytes from ``base``'s first byte (a CUDA tensor; the other allocations on its device),
+    ``nwords`` words of ``width`` bytes each; every destination and reference address a multiple
+    of its word size. ``mode``: PLAIN (planes only), XOR, DELTA, EXPREF, EXPGRID (32-bit words;
+    ``coffs``, ``cols``, ``w0s``: EXPGRID's column terms, matrix width and first word, zeros for
+    the others) or DERIVED (16-bit words against float32 references); ``planes``: whether the
+    sources are byte planes."""
+    if mode not in (PLAIN, XOR, DELTA, EXPREF, DERIVED, EXPGRID) or (mode in (EXPREF, EXPGRID) and width != 4) \
+            or (mode == DERIVED and width != 2) or (mode == PLAIN and not planes):
+        raise ValueError(f"no multi-segment kernel for mode {mode} at width {width}")
+    nwords = np.asarray(nwords, dtype=np.int64)
+    keep = nwords > 0
+    if not keep.any():
+        return
+    cols = [np.asarray(c, dtype=np.int64)[keep] for c in (soffs, doffs, roffs, nwords, blocks, coffs, cols, w0s)]
+    tiles = -(-cols[3] // TILE)
+    seg = np.repeat(np.arange(len(tiles), dtype=np.int64), tiles)
+    first = np.arange(len(seg), dtype=np.int64) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    table = np.concatenate([*cols, seg, first * TILE])
+    t = torch.from_numpy(table).to(base.device, non_blocking=True)
+    _dec_multi[(len(seg),)](base, t, len(tiles), len(seg), W=width, BITS=8 * width, UT=_U[width][1],
+                            TILE=TILE, MODE=mode, PLANES=planes)
 
 
 SEG_TILE = 1 << 18

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptFileError, UnknownCodecError
-from ..kernels import DELTA, EXPREF, XOR, triton_kernels
+from ..kernels import DELTA, DERIVED, EXPGRID, EXPREF, PLAIN, XOR, triton_kernels
 from .base import Transform, register
 from .byteplane import BytePlane
 
@@ -645,6 +645,48 @@ def fused_planes(tf: Transform | None, ref: RefTransform | None, at: int, words:
 
 
 _FUSED_OK = True  # False once a fused kernel failed to compile: the two steps from then on
+
+
+def multi_segment(tf: Transform | None, ref: RefTransform | None, at: int, n: int,
+                  dst: torch.Tensor) -> tuple[int, ...] | None:
+    """How :func:`ckptzip.kernels._triton_bp.decode_multi` undoes this chain for bytes ``at`` to
+    ``at + n`` of a storage decoded into ``dst`` (flat uint8, CUDA), as ``(mode, width,
+    planes, block, reference address, column terms' address, columns, first word)``: byte planes
+    alone, planes after ``xor`` / ``delta`` (as :func:`fused_planes`), ``expref`` or ``expgrid``
+    with or without planes, or a float32 -> bfloat16 ``derived`` with or without planes; None
+    for every other chain (undone storage by storage), or where a word would be misaligned."""
+    bp = tf if isinstance(tf, BytePlane) else None
+    if tf is not None and bp is None:
+        return None
+    if isinstance(ref, ExpGrid):
+        if (bp is not None and bp.width != 4) or n % 4 or at % 4 or (dst.data_ptr() + at) % 4:
+            return None
+        r, c = ref._pred(dst.device, 0, ref.rows)
+        return (EXPGRID, 4, bp is not None, bp.block if bp is not None else 0, r.data_ptr(), c.data_ptr(),
+                ref.cols, at // 4)
+    if ref is None:
+        if bp is None:
+            return None
+        mode, w, refb = PLAIN, bp.width, None
+    elif ref.ref is None or not ref.ref.is_cuda or ref.ref.device != dst.device:
+        return None
+    elif bp is not None and planes_after_ref(bp, ref):
+        mode, w = (DELTA if isinstance(ref, Delta) else XOR), bp.width
+    elif isinstance(ref, ExpRef) and (bp is None or bp.width == 4):
+        mode, w = EXPREF, 4
+    elif isinstance(ref, Derived) and ref.src == "float32" and ref.to == "bfloat16" and (bp is None or bp.width == 2):
+        mode, w = DERIVED, 2
+    else:
+        return None
+    if n % w or (dst.data_ptr() + at) % w:
+        return None
+    rptr = 0
+    if ref is not None:
+        refb = ref.base_slice(at, n)
+        rptr = refb.data_ptr()
+        if rptr % (4 if mode == DERIVED else w):
+            return None
+    return mode, w, bp is not None, bp.block if bp is not None else 0, rptr, 0, 0, 0
 
 
 class _Fused:
