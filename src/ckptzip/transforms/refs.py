@@ -572,8 +572,11 @@ class ExpGrid(_ExpPredictor):
         """Rows ``i0:i1`` of ``r`` and all of ``c`` as int32 tensors on ``device`` (cached)."""
         key = str(device)
         if key not in self._dev:
-            self._dev[key] = (torch.from_numpy(self.r.astype(np.int32)).to(device),
-                              torch.from_numpy(self.c.astype(np.int32)).to(device))
+            # one asynchronous copy (from pageable memory CUDA stages it at once, without waiting
+            # for the device: a blocking copy here waited for every queued decode, per storage)
+            both = torch.from_numpy(np.concatenate([self.r.astype(np.int32), self.c.astype(np.int32)]))
+            both = both.to(device, non_blocking=True)
+            self._dev[key] = (both[:self.rows], both[self.rows:])
         r, c = self._dev[key]
         return r[i0:i1], c
 
