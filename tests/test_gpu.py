@@ -394,7 +394,8 @@ def test_multi_segment_kernel_matches_per_storage(kind):
                      EXPREF: lambda: ExpRef(0).bind(ref).encode(target)}[mode]()
         dst = torch.empty(nb, dtype=torch.uint8, device="cuda")
         rg = ref if ref.is_cuda else ref.cuda()
-        keep.append(rg)
+        tg = target.cuda()
+        keep.append((rg, tg))
         want.append((dst, target))
         cut = block * 2 if c > block * 3 else c  # words in the first segment
         for a, b in ((0, cut), (cut, c)):
@@ -402,19 +403,28 @@ def test_multi_segment_kernel_matches_per_storage(kind):
                 seg = resid[a * w:b * w]
                 enc = transforms.BytePlane(w, block).encode(seg) if planes else seg
                 rptr = rg.data_ptr() + (0 if mode == EXPGRID else a * w * (2 if mode == DERIVED else 1))
-                parts.append((enc, dst.data_ptr() + a * w, rptr, b - a, a, coff.data_ptr() if mode == EXPGRID else 0, cols))
+                parts.append((enc, dst.data_ptr() + a * w, rptr, b - a, a, coff.data_ptr() if mode == EXPGRID else 0, cols,
+                              tg.data_ptr() + a * w))
     stream = torch.zeros(sum(-(-len(p[0]) // 16) * 16 for p in parts), dtype=torch.uint8, device="cuda")
-    segs, pos = [], 0
+    segs, esegs, pos = [], [], 0
     base = stream.data_ptr()
-    for enc, dptr, rptr, n, a, cptr, cols in parts:
+    for enc, dptr, rptr, n, a, cptr, cols, tptr in parts:
         stream[pos:pos + len(enc)] = enc.cuda()
         segs.append((pos, dptr - base, rptr - base if mode != PLAIN else 0, n, block,
                      cptr - base if cptr else 0, cols, a))
+        esegs.append((pos, tptr - base) + segs[-1][2:])
         pos += -(-len(enc) // 16) * 16
     cols_ = np.asarray(segs, dtype=np.int64).T
     tk.decode_multi(stream, *cols_, w, mode, planes)
     for dst, target in want:
         assert torch.equal(dst.cpu(), target)
+    # the encoder: the same segments from the targets give the same stream (padding untouched)
+    again = torch.zeros_like(stream)
+    ecols = np.asarray(esegs, dtype=np.int64).T
+    ecols[1:3] += stream.data_ptr() - again.data_ptr()  # (addresses as offsets from ``again``'s first byte)
+    ecols[5] = np.where(ecols[5] != 0, ecols[5] + stream.data_ptr() - again.data_ptr(), 0)
+    tk.encode_multi(again, *ecols, w, mode, planes)
+    assert torch.equal(again, stream)
 
 
 def test_loads_undo_chains_in_one_launch_per_kind(tmp_path, monkeypatch):
@@ -462,6 +472,12 @@ def test_loads_undo_chains_in_one_launch_per_kind(tmp_path, monkeypatch):
     one = dict(flat(ckptzip.load(p, map_location="cuda")))
     for k in want:
         assert same_bits(one[k], want[k]), k
+    # saves: the multi-segment encoder writes the file the unit-by-unit steps write
+    import ckptzip.engine.encode as enc
+    q = tmp_path / "one.ckz"
+    monkeypatch.setattr(enc, "_MULTI", [False])
+    ckptzip.save(st, q)
+    assert p.read_bytes() == q.read_bytes()
 
 
 def test_fused_incremental_file_equals_unfused(tmp_path, monkeypatch):

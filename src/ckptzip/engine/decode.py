@@ -354,7 +354,7 @@ def _untransform_multi(tk, stream: torch.Tensor, todo: list) -> list:
         elif job.ref is None and job.tf is None:
             copies.append(item)
         else:
-            k = multi_segment(job.tf, job.ref, a, b - a, out)
+            k = multi_segment(job.tf, job.ref, a, b - a, out.data_ptr() + a, out.device)
             if k is None:
                 rest.append(item)
             else:

@@ -13,7 +13,7 @@ from ..codecs.cpu import pmap
 from ..format import FLAG_STORED_RAW, ROW
 from ..kernels import triton_kernels
 from ..transforms import Transform
-from ..transforms.refs import fused_planes
+from ..transforms.refs import fused_planes, multi_segment
 from .memory import PINNED, ceil_align, copy_segments
 from .plan import Unit, codec_key
 
@@ -61,22 +61,38 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
     # the storage's device (one elementwise op per window)
     # (on a GPU, ``xor`` / ``delta`` followed by ``byteplane`` is one fused kernel instead)
     fused: list = [None] * len(units)
+    # on a GPU with the Triton kernels, each kind of chain (planes, expref, expgrid, derived,
+    # xor/delta + planes) is applied to all its units in one launch (multi[k]: the unit's
+    # segment; see transforms.refs.multi_segment), not with a launch or several torch ops per unit
+    multi: list = [None] * len(units)
     if dev == "cuda":
         here = torch.device("cuda", torch.cuda.current_device())  # where the group stream is
+        tk = triton_kernels() if _MULTI[0] and not (len(units) == 1 and units[0].plan.transform is None) else None
+        if tk is not None:
+            multi = [multi_segment(u.plan.transform, u.plan.ref, u.start, u.data.numel(), u.data.data_ptr(), here)
+                     if not u.resolved and u.data.numel() and u.data.device == here
+                     and (u.plan.transform is not None or u.plan.ref is not None) else None for u in units]
         fused = [fused_planes(u.plan.transform, u.plan.ref, u.start, u.data)
-                 if not u.resolved and u.data.numel() and u.data.device == here else None for u in units]
+                 if multi[k] is None and not u.resolved and u.data.numel() and u.data.device == here else None
+                 for k, u in enumerate(units)]
     datas = [u.plan.ref.encode(u.data, start=u.start) if u.plan.ref is not None and not u.resolved
-             and u.data.numel() and fused[k] is None else u.data for k, u in enumerate(units)]
+             and u.data.numel() and fused[k] is None and multi[k] is None else u.data for k, u in enumerate(units)]
     single = len(units) == 1 and units[0].plan.transform is None and datas[0].device.type == dev
     stream = datas[0] if single else torch.empty(total, dtype=torch.uint8, device=dev)
     staged = None
     pos = 0
     copies: tuple[list, list] = ([], [])  # plain same-device copies, done in one batched call
     cpu_tf: list = []  # CPU transforms, run by the CPU pool's threads after the loop
-    for u, data, fz in zip(units, datas, fused):
+    kinds: dict[tuple, list] = {}  # (mode, width, planes) -> [(unit, position, segment)]
+    for u, data, fz, mk in zip(units, datas, fused, multi):
         n = data.numel()
         u.base = pos
-        if not single and n:
+        if mk is not None:
+            mode, w, planes, block, rptr, cptr, ncols, w0 = mk
+            sb = stream.data_ptr()
+            kinds.setdefault((mode, w, planes), []).append(
+                (u, pos, (pos, data.data_ptr() - sb, rptr - sb, n // w, block, cptr - sb if cptr else 0, ncols, w0)))
+        elif not single and n:
             if data.device.type != dev and dev == "cuda":
                 if staged is None:
                     staged = PINNED.acquire(total)
@@ -96,6 +112,20 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
                     copies[0].append(stream[pos:pos + n])
                     copies[1].append(src)
         pos += ceil_align(n)
+    for (mode, w, planes), segs in kinds.items():
+        if _MULTI[0]:
+            try:
+                tk.encode_multi(stream, *np.asarray([sg for _u, _p, sg in segs], dtype=np.int64).T, w, mode, planes)
+                continue
+            except Exception:  # noqa: BLE001 (Triton compile errors of several kinds; nothing launched)
+                _MULTI[0] = False
+        for u, p, _sg in segs:  # the kernel is unavailable: the steps of each unit
+            d = u.plan.ref.encode(u.data, start=u.start) if u.plan.ref is not None else u.data
+            out = stream[p:p + u.data.numel()]
+            if u.plan.transform is not None:
+                u.plan.transform.encode(d, out=out)
+            else:
+                out.copy_(d)
     if copies[0]:
         if dev == "cpu":  # numpy: torch's intra-op threads stall on oversubscribed cores
             for d, s in zip(*copies):
@@ -138,6 +168,9 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
         torch.cuda.current_stream().synchronize()  # the staging buffer may be reused next group
         PINNED.release(staged)
     return Encoded(tensors, src, soff, stored, raw, flags, counts)
+
+
+_MULTI = [True]  # False once a multi-segment kernel failed to compile: unit by unit from then on
 
 
 def pack(enc: Encoded, out: torch.Tensor, offs: np.ndarray) -> None:

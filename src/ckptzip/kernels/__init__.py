@@ -77,9 +77,10 @@ def _warm(device: int) -> None:
                 one = np.array([[0], [32768], [16384], [512], [256], [24576], [16], [0]], dtype=np.int64)
                 for width, mode, planes in ((2, PLAIN, True), (4, PLAIN, True), (8, PLAIN, True), (4, EXPREF, True),
                                             (4, EXPREF, False), (2, DERIVED, False), (4, EXPGRID, True)):
-                    # (loads: one launch per kind of chain)
+                    # (saves and loads: one launch per kind of chain)
                     if _STOP.is_set():
                         return
+                    mod.encode_multi(z, *one, width, mode, planes)
                     mod.decode_multi(z, *one, width, mode, planes)
                 a = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
                 offs = np.array([0, 64], dtype=np.int64)

@@ -183,6 +183,85 @@ def _dec_multi(base, table, nseg, ntiles, W: tl.constexpr, BITS: tl.constexpr, U
     tl.store((base + doff).to(tl.pointer_type(UT)) + idx, d, mask=mask)
 
 
+@triton.jit(do_not_specialize=["nseg", "ntiles"])
+def _enc_multi(base, table, nseg, ntiles, W: tl.constexpr, BITS: tl.constexpr, UT: tl.constexpr,
+               TILE: tl.constexpr, MODE: tl.constexpr, PLANES: tl.constexpr):
+    """Inverse of ``_dec_multi`` (same table): the words of segment g (at byte ``doff`` of
+    ``base``), their residual against the reference (MODE as ``_dec_multi``), into byte planes
+    (or words where not PLANES) at byte ``soff`` of ``base``."""
+    pid = tl.program_id(0)
+    g = tl.load(table + 8 * nseg + pid)
+    t0 = tl.load(table + 8 * nseg + ntiles + pid)
+    soff = tl.load(table + g)
+    doff = tl.load(table + nseg + g)
+    roff = tl.load(table + 2 * nseg + g)
+    n = tl.load(table + 3 * nseg + g)
+    idx = t0 + tl.arange(0, TILE).to(tl.int64)
+    mask = idx < n
+    d = tl.load((base + doff).to(tl.pointer_type(UT)) + idx, mask=mask)
+    rp = (base + roff).to(tl.pointer_type(UT))
+    if MODE == 1:
+        d = d ^ tl.load(rp + idx, mask=mask)
+    elif MODE == 2:
+        d = d - tl.load(rp + idx, mask=mask)
+        top = d >> (BITS - 1)
+        d = d ^ ((top << (BITS - 1)) - top)
+    elif MODE == 3:
+        p = (tl.load(rp + idx, mask=mask) >> 2) & _PRED
+        xe = (d >> 1) & _EXP_HALF
+        d = (d ^ (xe << 1)) | (((xe - p) & _EXP_HALF) << 1)
+    elif MODE == 4:
+        u = tl.load((base + roff).to(tl.pointer_type(tl.uint32)) + idx, mask=mask)
+        c = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16)
+        c = tl.where((u & 0x7FFFFFFF) > 0x7F800000, _NAN_BF16, c).to(UT)
+        d = d ^ c
+    elif MODE == 5:
+        gw = tl.load(table + 7 * nseg + g) + idx
+        cols = tl.load(table + 6 * nseg + g)
+        i = gw // cols
+        rr = tl.load((base + roff).to(tl.pointer_type(tl.int32)) + i, mask=mask)
+        cc = tl.load((base + tl.load(table + 5 * nseg + g)).to(tl.pointer_type(tl.int32)) + (gw - i * cols), mask=mask)
+        p = (((rr + cc) >> 8) & 0xFF).to(UT) << 22
+        xe = (d >> 1) & _EXP_HALF
+        d = (d ^ (xe << 1)) | (((xe - p) & _EXP_HALF) << 1)
+    if PLANES:
+        block = tl.load(table + 4 * nseg + g)
+        r = (d << 1) | (d >> (BITS - 1))
+        b = idx // block
+        j = idx - b * block
+        m = tl.minimum(block, n - b * block)
+        at = b * block * W + j
+        for k in tl.static_range(W):
+            tl.store(base + soff + at + k * m, ((r >> (8 * k)) & 0xFF).to(tl.uint8), mask=mask)
+    else:
+        tl.store((base + soff).to(tl.pointer_type(UT)) + idx, d, mask=mask)
+
+
+def _multi(kernel, base: torch.Tensor, cols_in, width: int, mode: int, planes: bool) -> None:
+    if mode not in (PLAIN, XOR, DELTA, EXPREF, DERIVED, EXPGRID) or (mode in (EXPREF, EXPGRID) and width != 4) \
+            or (mode == DERIVED and width != 2) or (mode == PLAIN and not planes):
+        raise ValueError(f"no multi-segment kernel for mode {mode} at width {width}")
+    nwords = np.asarray(cols_in[3], dtype=np.int64)
+    keep = nwords > 0
+    if not keep.any():
+        return
+    cols = [np.asarray(c, dtype=np.int64)[keep] for c in cols_in]
+    tiles = -(-cols[3] // TILE)
+    seg = np.repeat(np.arange(len(tiles), dtype=np.int64), tiles)
+    first = np.arange(len(seg), dtype=np.int64) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    table = np.concatenate([*cols, seg, first * TILE])
+    t = torch.from_numpy(table).to(base.device, non_blocking=True)
+    kernel[(len(seg),)](base, t, len(tiles), len(seg), W=width, BITS=8 * width, UT=_U[width][1],
+                        TILE=TILE, MODE=mode, PLANES=planes)
+
+
+def encode_multi(base: torch.Tensor, soffs, doffs, roffs, nwords, blocks, coffs, cols, w0s, width: int,
+                 mode: int, planes: bool) -> None:
+    """Apply one kind of chain to many segments in one launch (see ``_enc_multi``); the
+    arguments are :func:`decode_multi`'s, ``soffs`` where the planes go, ``doffs`` the words."""
+    _multi(_enc_multi, base, (soffs, doffs, roffs, nwords, blocks, coffs, cols, w0s), width, mode, planes)
+
+
 def decode_multi(base: torch.Tensor, soffs, doffs, roffs, nwords, blocks, coffs, cols, w0s, width: int,
                  mode: int, planes: bool) -> None:
     """Undo one kind of transform for many segments in one launch (see ``_dec_multi``): offsets
@@ -192,21 +271,7 @@ def decode_multi(base: torch.Tensor, soffs, doffs, roffs, nwords, blocks, coffs,
     ``coffs``, ``cols``, ``w0s``: EXPGRID's column terms, matrix width and first word, zeros for
     the others) or DERIVED (16-bit words against float32 references); ``planes``: whether the
     sources are byte planes."""
-    if mode not in (PLAIN, XOR, DELTA, EXPREF, DERIVED, EXPGRID) or (mode in (EXPREF, EXPGRID) and width != 4) \
-            or (mode == DERIVED and width != 2) or (mode == PLAIN and not planes):
-        raise ValueError(f"no multi-segment kernel for mode {mode} at width {width}")
-    nwords = np.asarray(nwords, dtype=np.int64)
-    keep = nwords > 0
-    if not keep.any():
-        return
-    cols = [np.asarray(c, dtype=np.int64)[keep] for c in (soffs, doffs, roffs, nwords, blocks, coffs, cols, w0s)]
-    tiles = -(-cols[3] // TILE)
-    seg = np.repeat(np.arange(len(tiles), dtype=np.int64), tiles)
-    first = np.arange(len(seg), dtype=np.int64) - np.repeat(np.cumsum(tiles) - tiles, tiles)
-    table = np.concatenate([*cols, seg, first * TILE])
-    t = torch.from_numpy(table).to(base.device, non_blocking=True)
-    _dec_multi[(len(seg),)](base, t, len(tiles), len(seg), W=width, BITS=8 * width, UT=_U[width][1],
-                            TILE=TILE, MODE=mode, PLANES=planes)
+    _multi(_dec_multi, base, (soffs, doffs, roffs, nwords, blocks, coffs, cols, w0s), width, mode, planes)
 
 
 SEG_TILE = 1 << 18

@@ -650,28 +650,29 @@ def fused_planes(tf: Transform | None, ref: RefTransform | None, at: int, words:
 _FUSED_OK = True  # False once a fused kernel failed to compile: the two steps from then on
 
 
-def multi_segment(tf: Transform | None, ref: RefTransform | None, at: int, n: int,
-                  dst: torch.Tensor) -> tuple[int, ...] | None:
-    """How :func:`ckptzip.kernels._triton_bp.decode_multi` undoes this chain for bytes ``at`` to
-    ``at + n`` of a storage decoded into ``dst`` (flat uint8, CUDA), as ``(mode, width,
-    planes, block, reference address, column terms' address, columns, first word)``: byte planes
-    alone, planes after ``xor`` / ``delta`` (as :func:`fused_planes`), ``expref`` or ``expgrid``
-    with or without planes, or a float32 -> bfloat16 ``derived`` with or without planes; None
-    for every other chain (undone storage by storage), or where a word would be misaligned."""
+def multi_segment(tf: Transform | None, ref: RefTransform | None, at: int, n: int, addr: int,
+                  device: torch.device) -> tuple[int, ...] | None:
+    """How :func:`ckptzip.kernels._triton_bp.encode_multi` / ``decode_multi`` apply or undo this
+    chain for bytes ``at`` to ``at + n`` of a storage whose words are at address ``addr`` (CUDA
+    ``device``), as ``(mode, width, planes, block, reference address, column terms' address,
+    columns, first word)``: byte planes alone, planes after ``xor`` / ``delta`` (as
+    :func:`fused_planes`), ``expref`` or ``expgrid`` with or without planes, or a float32 ->
+    bfloat16 ``derived`` with or without planes; None for every other chain (handled storage
+    by storage), or where a word would be misaligned."""
     bp = tf if isinstance(tf, BytePlane) else None
     if tf is not None and bp is None:
         return None
     if isinstance(ref, ExpGrid):
-        if (bp is not None and bp.width != 4) or n % 4 or at % 4 or (dst.data_ptr() + at) % 4:
+        if (bp is not None and bp.width != 4) or n % 4 or at % 4 or addr % 4:
             return None
-        r, c = ref._pred(dst.device, 0, ref.rows)
+        r, c = ref._pred(device, 0, ref.rows)
         return (EXPGRID, 4, bp is not None, bp.block if bp is not None else 0, r.data_ptr(), c.data_ptr(),
                 ref.cols, at // 4)
     if ref is None:
         if bp is None:
             return None
         mode, w, refb = PLAIN, bp.width, None
-    elif ref.ref is None or not ref.ref.is_cuda or ref.ref.device != dst.device:
+    elif ref.ref is None or not ref.ref.is_cuda or ref.ref.device != device:
         return None
     elif bp is not None and planes_after_ref(bp, ref):
         mode, w = (DELTA if isinstance(ref, Delta) else XOR), bp.width
@@ -681,7 +682,7 @@ def multi_segment(tf: Transform | None, ref: RefTransform | None, at: int, n: in
         mode, w = DERIVED, 2
     else:
         return None
-    if n % w or (dst.data_ptr() + at) % w:
+    if n % w or addr % w:
         return None
     rptr = 0
     if ref is not None:
