@@ -512,6 +512,7 @@ def test_fused_incremental_file_equals_unfused(tmp_path, monkeypatch):
     monkeypatch.setattr(enc, "fused_planes", spy)
     monkeypatch.setattr(dec, "fused_planes", spy)
     monkeypatch.setattr(dec, "multi_segment", spy_multi)
+    monkeypatch.setattr(enc, "multi_segment", spy_multi)
     info = ckptzip.save(s2, b, base=a, codec="ans")
     assert info["delta_storages"] > 0 and any(calls)
     n = len(calls)
@@ -530,6 +531,7 @@ def test_fused_incremental_file_equals_unfused(tmp_path, monkeypatch):
     monkeypatch.setattr(enc, "fused_planes", lambda *a, **k: None)
     monkeypatch.setattr(dec, "fused_planes", lambda *a, **k: None)
     monkeypatch.setattr(dec, "multi_segment", lambda *a, **k: None)
+    monkeypatch.setattr(enc, "multi_segment", lambda *a, **k: None)
     ckptzip.save(s2, c, base=a, codec="ans")
     rb, rc = read_parts(b)[2], read_parts(c)[2]
     for f in ("raw", "stored", "flags", "offset"):

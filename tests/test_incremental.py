@@ -246,6 +246,31 @@ def test_chain_of_three_and_moved_bases(tmp_path):
         ckptzip.load(other / "s3.ckz", base_path=moved / "s2.ckz")
 
 
+def test_chain_loads_in_one_pipelined_pass(tmp_path, monkeypatch):
+    """A chain of three incremental files loads in one decode pass (the bases' storages are read
+    by jobs of the same pipeline, from their own files, ahead of the deltas), bit-exact, and
+    progress counts this file's bytes only."""
+    import ckptzip.api as api
+    s = [mixed_state(d=128)]
+    for k in range(3):
+        s.append(nudge(s[-1], k + 20))
+    paths = [tmp_path / f"c{k}.ckz" for k in range(4)]
+    ckptzip.save(s[0], paths[0])
+    for k in range(1, 4):
+        ckptzip.save(s[k], paths[k], base=paths[k - 1])
+    calls = []
+    real = api.decode_jobs
+
+    def spy(fd, jobs, *a, **k):
+        calls.append({id(j.fd) if j.fd is not None else None for j in jobs})
+        return real(fd, jobs, *a, **k)
+    monkeypatch.setattr(api, "decode_jobs", spy)
+    seen = []
+    assert_same(ckptzip.load(paths[3], progress=lambda done, total: seen.append((done, total))), s[3])
+    assert len(calls) == 1 and len(calls[0]) == 4  # this file (None) and its three bases
+    assert seen and max(d for d, _t in seen) <= seen[0][1]
+
+
 def test_base_missing_altered_replaced(tmp_path):
     s1 = mixed_state()
     s2 = nudge(s1, 5)

@@ -299,9 +299,19 @@ class CheckpointReader:
               made: dict[int, Job] | None = None) -> None:
         """Decode storages ``i`` into the flat uint8 tensors ``outs[i]``, resolving references:
         storages a ``derived`` or ``expref`` one refers to are decoded first (into temporaries unless requested),
-        level by level; an ``xor`` storage is first filled with its base storage (decoded by the
-        base's reader straight into the destination), then its residual is applied in place.
+        level by level; an ``xor`` storage is first filled with its base storage (decoded from
+        the base file straight into the destination), then its residual is applied in place.
+        Everything, base storages included, is decoded in one pipelined pass.
         ``made``: jobs already made for these outputs by :meth:`_job_into` (used, not remade)."""
+        batch, breaks = self._plan_fill(outs, made)
+        gpu = any(j.codec.device == "cuda" for j in batch)
+        decode_jobs(self._fd, batch, gpu_decode_window() if gpu else DEFAULT_WINDOW, prog, breaks)
+
+    def _plan_fill(self, outs: dict[int, torch.Tensor], made: dict[int, Job] | None = None
+                   ) -> tuple[list[Job], list[int]]:
+        """The jobs of :meth:`_fill`, in decode order, and the job indices where a new decode
+        group must start: the base file's jobs first (their ``fd`` the base's), then this file's
+        references level by level."""
         need = dict(outs)
         extra = 0  # bytes of temporaries: referred-to storages nobody asked for
         asked = sum(self.storages[j]["nbytes"] for j in outs if 0 <= j < len(self.storages))
@@ -332,35 +342,44 @@ class CheckpointReader:
         for i in jobs:
             lvl(i)
         order = sorted(jobs, key=lambda i: (level[i], i))
-        # storages against a base file (xor, delta) first get their base storage (decoded from
-        # that file); then every level of this file is decoded in one pipelined pass, level by
-        # level (a group never mixes levels; the GPU runs them in stream order)
-        for L in sorted(set(level.values())):
-            batch = [jobs[i] for i in order if level[i] == L]
-            xors = [j for j in batch if j.ref is not None and j.ref.wire_id in ("xor", "delta")]
-            if xors:
-                base = self.base_reader()
-                first: dict[int, torch.Tensor] = {}
-                for j in xors:
-                    bj = j.ref.storage
-                    if bj >= len(base.storages) or base.storages[bj]["nbytes"] != j.out.numel():
-                        raise BaseCheckpointError(
-                            f"base checkpoint {self.bases[0]['file']!r} of {self.path} has no storage {bj} "
-                            f"of {j.out.numel()} bytes")
-                    first.setdefault(bj, j.out)
+        # storages against a base file (xor, delta) first get their base storage, decoded from
+        # that file by jobs that run first in the same pipelined pass (a group never mixes
+        # files or levels; the GPU runs them in stream order); then every level of this file
+        pre: list[Job] = []
+        pre_breaks: list[int] = []
+        xors = [jobs[i] for i in order if jobs[i].ref is not None and jobs[i].ref.wire_id in ("xor", "delta")]
+        if xors:
+            base = self.base_reader()
+            first: dict[int, torch.Tensor] = {}
+            shared = False
+            for j in xors:
+                bj = j.ref.storage
+                if bj >= len(base.storages) or base.storages[bj]["nbytes"] != j.out.numel():
+                    raise BaseCheckpointError(
+                        f"base checkpoint {self.bases[0]['file']!r} of {self.path} has no storage {bj} "
+                        f"of {j.out.numel()} bytes")
+                shared = shared or (bj in first)
+                first.setdefault(bj, j.out)
+            if shared:  # two storages against one base storage: decoded once, before, and copied
                 base._fill(first)
                 for j in xors:
-                    src = first[j.ref.storage]
-                    if src is not j.out:
-                        j.out.copy_(src)
-                    j.ref = j.ref.bind(j.out)  # in place: out holds the base, the residual is applied to it
+                    if first[j.ref.storage] is not j.out:
+                        j.out.copy_(first[j.ref.storage])
+            else:
+                pre, pre_breaks = base._plan_fill(first)
+                for j in pre:
+                    if j.fd is None:
+                        j.fd = base._fd
+            for j in xors:
+                j.ref = j.ref.bind(j.out)  # in place: out holds the base, the residual is applied to it
         batch = [jobs[i] for i in order]
         for j in batch:
             if j.ref is not None and j.ref.local:
                 j.ref = j.ref.bind(need[j.ref.storage])
-        gpu = any(j.codec.device == "cuda" for j in batch)
         breaks = [k for k in range(1, len(order)) if level[order[k]] != level[order[k - 1]]]
-        decode_jobs(self._fd, batch, gpu_decode_window() if gpu else DEFAULT_WINDOW, prog, breaks)
+        if pre:
+            breaks = pre_breaks + [len(pre)] + [len(pre) + k for k in breaks]
+        return pre + batch, breaks
 
     def _mapped(self, i: int, out: torch.Tensor) -> torch.Tensor:
         """torch.load's convention: ``map_location(storage, location)`` gets the storage

@@ -118,6 +118,8 @@ class Job:
     out: torch.Tensor
     #: a bound reference transform undone last (``xor``: ``out`` already holds the base storage)
     ref: RefTransform | None = None
+    #: the file to read from (a base checkpoint's), or None: the one :func:`decode_jobs` is given
+    fd: Any = None
 
 
 def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
@@ -126,7 +128,8 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     storages per read and per codec call); a reader thread reads and checksums the next group
     into one of four pooled buffers while the current one is decoded. Groups are decoded in
     order; a new group starts at every job index in ``breaks`` (a job that refers to the output
-    of an earlier one is never in the same group: CPU groups undo transforms in parallel)."""
+    of an earlier one is never in the same group: CPU groups undo transforms in parallel) and
+    wherever the file changes (a job's ``fd``: a base checkpoint's storages)."""
     if not any(job.codec.device == "cuda" for job in jobs):
         window = min(window, CPU_GROUP)  # the reader's next group overlaps this one's decoding
     breaks = set(breaks)
@@ -141,7 +144,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     size = 0
     for *it, brk in items:
         if (grouped and not brk and size + (it[4] - it[3]) <= window
-                and it[0].codec.device == grouped[-1][0][0].codec.device):
+                and it[0].codec.device == grouped[-1][0][0].codec.device and it[0].fd == grouped[-1][0][0].fd):
             grouped[-1].append(tuple(it))
             size += it[4] - it[3]
         else:
@@ -168,7 +171,8 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                 slot = free.get()
                 rows = _cat_rows([job.rows[i:j] for job, i, j, _a, _b in grp])
                 gpu_hash = tk is not None and grp[0][0].codec.device == "cuda"
-                host, soffs, later = read_stored(fd, rows, pinned=gpu, gpu_hash=gpu_hash)
+                src = fd if grp[0][0].fd is None else grp[0][0].fd
+                host, soffs, later = read_stored(src, rows, pinned=gpu, gpu_hash=gpu_hash)
                 q.put((slot, host, soffs, rows, later, None))
         except BaseException as e:  # re-raised by the consumer
             q.put((None, None, None, None, None, e))
@@ -246,7 +250,7 @@ def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress, tk=
                 prev = None
             PINNED.release(host)  # (after an error it is not reused: the lease just lapses)
             free.put(slot)
-        if progress:
+        if progress and grp[0][0].fd is None:  # (a base file's storages are not counted)
             progress(sum(b - a for _j, _i, _jj, a, b in grp))
     if prev is not None:
         finish(prev)
