@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptFileError, UnknownCodecError
-from ..kernels import DELTA, DERIVED, EXPGRID, EXPREF, PLAIN, XOR, triton_kernels
+from ..kernels import DELTA, DERIVED, EXPGRID, EXPREF, MULTI_MAX, PLAIN, XOR, triton_kernels
 from .base import Transform, register
 from .byteplane import BytePlane
 
@@ -658,10 +658,13 @@ def multi_segment(tf: Transform | None, ref: RefTransform | None, at: int, n: in
     columns, first word)``: byte planes alone, planes after ``xor`` / ``delta`` (as
     :func:`fused_planes`), ``expref`` or ``expgrid`` with or without planes, or a float32 ->
     bfloat16 ``derived`` with or without planes; None for every other chain (handled storage
-    by storage), or where a word would be misaligned."""
+    by storage), where a word would be misaligned, and for storages of :data:`MULTI_MAX` bytes
+    or more that a one-storage kernel handles (planes alone or after xor / delta / expref)."""
     bp = tf if isinstance(tf, BytePlane) else None
     if tf is not None and bp is None:
         return None
+    if n >= MULTI_MAX and bp is not None and (ref is None or isinstance(ref, (Xor, Delta, ExpRef))):
+        return None  # a one-storage kernel exists, and is faster on large storages
     if isinstance(ref, ExpGrid):
         if (bp is not None and bp.width != 4) or n % 4 or at % 4 or addr % 4:
             return None
