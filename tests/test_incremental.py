@@ -99,6 +99,28 @@ def test_reused_derived_pairs_and_plans_stay_exact(tmp_path):
     assert "derived" not in tf[0] and "derived" in tf[1], (keys, tf)
 
 
+def test_reused_pairs_are_probed_in_turn():
+    """With more pairs than ``PROBE_PAIRS``, each reuse probes the next ones in turn, so a copy
+    that stopped being a cast is found within ``ceil(pairs / PROBE_PAIRS)`` saves."""
+    from ckptzip.engine import refplan
+    torch.manual_seed(7)
+    n = refplan.PROBE_PAIRS * 2 + 5
+    w = {f"w{i}": torch.randn(256 + i) for i in range(n)}
+    st = {"w": w, "bf": {k: v.bfloat16() for k, v in w.items()}}
+
+    def found():
+        enc = Encoder()
+        enc.encode(st)
+        return refplan.find_derived(enc.storages, reuse=True)
+    assert len(found()) == n
+    st["bf"]["w3"] = torch.randn(259).bfloat16()  # same size, no longer a cast
+    rounds = 0
+    while len(found()) == n:
+        rounds += 1
+        assert rounds <= -(-n // refplan.PROBE_PAIRS)
+    assert len(found()) == n - 1
+
+
 def test_derived_round_trip_with_exceptions(tmp_path):
     st = mixed_state()
     bf = st["model_bf16"]["l1.w"]
