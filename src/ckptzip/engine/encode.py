@@ -69,7 +69,8 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
         here = torch.device("cuda", torch.cuda.current_device())  # where the group stream is
         tk = triton_kernels() if _MULTI[0] and not (len(units) == 1 and units[0].plan.transform is None) else None
         if tk is not None:
-            multi = [multi_segment(u.plan.transform, u.plan.ref, u.start, u.data.numel(), u.data.data_ptr(), here)
+            multi = [multi_segment(u.plan.transform, u.plan.ref, u.start, u.data.numel(), u.data.data_ptr(), here,
+                                   large_alone=True)
                      if not u.resolved and u.data.numel() and u.data.device == here
                      and (u.plan.transform is not None or u.plan.ref is not None) else None for u in units]
         fused = [fused_planes(u.plan.transform, u.plan.ref, u.start, u.data)

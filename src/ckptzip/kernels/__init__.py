@@ -26,10 +26,12 @@ import threading
 #: loads only) ``derived``'s bfloat16 rounding of a float32 reference and ``expgrid``'s row + column
 #: exponent prediction
 PLAIN, XOR, DELTA, EXPREF, DERIVED, EXPGRID = 0, 1, 2, 3, 4, 5
-#: storages (windows) from this many bytes on go to the one-storage kernels where one exists
-#: (byte planes, alone or after xor / delta / expref): their aligned, vectorized loads run
-#: faster than the multi-segment kernels' (measured on an H100: fp32 delta compress 124 GB/s
-#: through the multi-segment kernel, 152 through the fused one); smaller ones share one launch
+#: saves: storages (windows) from this many bytes on go to the one-storage kernels where one
+#: exists (byte planes, alone or after xor / delta / expref): their aligned, vectorized accesses
+#: run faster than the multi-segment kernel's (measured on an H100: fp32 delta compress 124 GB/s
+#: through the multi-segment kernel, 152 through the fused one); smaller ones share one launch.
+#: Loads put every storage in the multi-segment launches: decoding ran as fast either way, and
+#: each extra launch gives up the GIL, which the load's reader threads then hold
 MULTI_MAX = 4 << 20
 #: chunks of at least this many bytes are hashed on the GPU (XXH3-64's long-input path; shorter
 #: inputs use other formulas: the reader verifies those on the host)

@@ -651,19 +651,20 @@ _FUSED_OK = True  # False once a fused kernel failed to compile: the two steps f
 
 
 def multi_segment(tf: Transform | None, ref: RefTransform | None, at: int, n: int, addr: int,
-                  device: torch.device) -> tuple[int, ...] | None:
+                  device: torch.device, large_alone: bool = False) -> tuple[int, ...] | None:
     """How :func:`ckptzip.kernels._triton_bp.encode_multi` / ``decode_multi`` apply or undo this
     chain for bytes ``at`` to ``at + n`` of a storage whose words are at address ``addr`` (CUDA
     ``device``), as ``(mode, width, planes, block, reference address, column terms' address,
     columns, first word)``: byte planes alone, planes after ``xor`` / ``delta`` (as
     :func:`fused_planes`), ``expref`` or ``expgrid`` with or without planes, or a float32 ->
     bfloat16 ``derived`` with or without planes; None for every other chain (handled storage
-    by storage), where a word would be misaligned, and for storages of :data:`MULTI_MAX` bytes
-    or more that a one-storage kernel handles (planes alone or after xor / delta / expref)."""
+    by storage), where a word would be misaligned, and (``large_alone``: saves) for storages of
+    :data:`MULTI_MAX` bytes or more that a one-storage kernel handles (planes alone or after
+    xor / delta / expref)."""
     bp = tf if isinstance(tf, BytePlane) else None
     if tf is not None and bp is None:
         return None
-    if n >= MULTI_MAX and bp is not None and (ref is None or isinstance(ref, (Xor, Delta, ExpRef))):
+    if large_alone and n >= MULTI_MAX and bp is not None and (ref is None or isinstance(ref, (Xor, Delta, ExpRef))):
         return None  # a one-storage kernel exists, and is faster on large storages
     if isinstance(ref, ExpGrid):
         if (bp is not None and bp.width != 4) or n % 4 or at % 4 or addr % 4:
