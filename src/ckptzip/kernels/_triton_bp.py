@@ -122,6 +122,68 @@ def decode_ref(src: torch.Tensor, ref: torch.Tensor, dst: torch.Tensor, width: i
         _launch(_dec, src, ref.view(it), dst.view(it), src.numel() // width, width, block, mode)
 
 
+@triton.jit
+def _segment(table, nseg, ntiles, TILE: tl.constexpr):
+    """This program's segment g of a multi-segment table (see ``_dec_multi``): g, its byte
+    offsets soff, doff, roff, its word count n, and the program's word indices with their mask."""
+    pid = tl.program_id(0)
+    g = tl.load(table + 8 * nseg + pid)
+    idx = tl.load(table + 8 * nseg + ntiles + pid) + tl.arange(0, TILE).to(tl.int64)
+    n = tl.load(table + 3 * nseg + g)
+    return (g, tl.load(table + g), tl.load(table + nseg + g), tl.load(table + 2 * nseg + g), n, idx,
+            idx < n)
+
+
+@triton.jit
+def _planes_at(table, nseg, g, n, idx, W: tl.constexpr):
+    """Where word ``idx``'s first byte plane byte is in a segment's planes, and the stride from
+    one plane to the next (``block`` words per block, the last block shorter)."""
+    block = tl.load(table + 4 * nseg + g)
+    b = idx // block
+    j = idx - b * block
+    return b * block * W + j, tl.minimum(block, n - b * block)
+
+
+@triton.jit
+def _against_ref(d, base, table, nseg, g, roff, idx, mask, BITS: tl.constexpr, UT: tl.constexpr,
+                 MODE: tl.constexpr, DECODE: tl.constexpr):
+    """``d`` (words) with segment g's reference transform applied (encode) or undone (DECODE):
+    MODE 1 xor, 2 delta's folded difference, 3 expref, 4 derived (bfloat16 rounding of float32
+    reference words, NaN to 0x7FC0), 5 expgrid (row + column terms)."""
+    rp = (base + roff).to(tl.pointer_type(UT))
+    if MODE == 1:
+        d = d ^ tl.load(rp + idx, mask=mask)
+    elif MODE == 2:
+        if DECODE:
+            top = d >> (BITS - 1)
+            d = tl.load(rp + idx, mask=mask) + (d ^ ((top << (BITS - 1)) - top))
+        else:
+            d = d - tl.load(rp + idx, mask=mask)
+            top = d >> (BITS - 1)
+            d = d ^ ((top << (BITS - 1)) - top)
+    elif MODE == 4:
+        u = tl.load((base + roff).to(tl.pointer_type(tl.uint32)) + idx, mask=mask)
+        c = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16)
+        d = d ^ tl.where((u & 0x7FFFFFFF) > 0x7F800000, _NAN_BF16, c).to(UT)
+    elif MODE == 3 or MODE == 5:
+        if MODE == 3:
+            p = (tl.load(rp + idx, mask=mask) >> 2) & _PRED
+        else:
+            gw = tl.load(table + 7 * nseg + g) + idx
+            cols = tl.load(table + 6 * nseg + g)
+            i = gw // cols
+            rr = tl.load((base + roff).to(tl.pointer_type(tl.int32)) + i, mask=mask)
+            cc = tl.load((base + tl.load(table + 5 * nseg + g)).to(tl.pointer_type(tl.int32)) + (gw - i * cols),
+                         mask=mask)
+            p = (((rr + cc) >> 8) & 0xFF).to(UT) << 22
+        xe = (d >> 1) & _EXP_HALF
+        if DECODE:
+            d = (d ^ (xe << 1)) | (((xe + p) & _EXP_HALF) << 1)
+        else:
+            d = (d ^ (xe << 1)) | (((xe - p) & _EXP_HALF) << 1)
+    return d
+
+
 @triton.jit(do_not_specialize=["nseg", "ntiles"])  # new counts must not mean new compiles
 def _dec_multi(base, table, nseg, ntiles, W: tl.constexpr, BITS: tl.constexpr, UT: tl.constexpr,
                TILE: tl.constexpr, MODE: tl.constexpr, PLANES: tl.constexpr):
@@ -134,21 +196,9 @@ def _dec_multi(base, table, nseg, ntiles, W: tl.constexpr, BITS: tl.constexpr, U
     rounding of the float32 reference words. MODE EXPGRID: ``expgrid``'s prediction of word
     ``w0 + k`` of a ``cols``-column matrix from int32 row terms at ``roff`` and column terms at
     ``coff``."""
-    pid = tl.program_id(0)
-    g = tl.load(table + 8 * nseg + pid)
-    t0 = tl.load(table + 8 * nseg + ntiles + pid)
-    soff = tl.load(table + g)
-    doff = tl.load(table + nseg + g)
-    roff = tl.load(table + 2 * nseg + g)
-    n = tl.load(table + 3 * nseg + g)
-    idx = t0 + tl.arange(0, TILE).to(tl.int64)
-    mask = idx < n
+    g, soff, doff, roff, n, idx, mask = _segment(table, nseg, ntiles, TILE)
     if PLANES:
-        block = tl.load(table + 4 * nseg + g)
-        b = idx // block
-        j = idx - b * block
-        m = tl.minimum(block, n - b * block)
-        at = b * block * W + j
+        at, m = _planes_at(table, nseg, g, n, idx, W)
         r = tl.zeros([TILE], dtype=UT)
         for k in tl.static_range(W):
             byte = tl.load(base + soff + at + k * m, mask=mask).to(UT)
@@ -156,30 +206,7 @@ def _dec_multi(base, table, nseg, ntiles, W: tl.constexpr, BITS: tl.constexpr, U
         d = (r >> 1) | (r << (BITS - 1))
     else:
         d = tl.load((base + soff).to(tl.pointer_type(UT)) + idx, mask=mask)
-    rp = (base + roff).to(tl.pointer_type(UT))
-    if MODE == 1:
-        d = d ^ tl.load(rp + idx, mask=mask)
-    elif MODE == 2:
-        top = d >> (BITS - 1)
-        d = tl.load(rp + idx, mask=mask) + (d ^ ((top << (BITS - 1)) - top))
-    elif MODE == 3:
-        p = (tl.load(rp + idx, mask=mask) >> 2) & _PRED
-        xe = (d >> 1) & _EXP_HALF
-        d = (d ^ (xe << 1)) | (((xe + p) & _EXP_HALF) << 1)
-    elif MODE == 4:
-        u = tl.load((base + roff).to(tl.pointer_type(tl.uint32)) + idx, mask=mask)
-        c = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16)
-        c = tl.where((u & 0x7FFFFFFF) > 0x7F800000, _NAN_BF16, c).to(UT)
-        d = d ^ c
-    elif MODE == 5:
-        gw = tl.load(table + 7 * nseg + g) + idx
-        cols = tl.load(table + 6 * nseg + g)
-        i = gw // cols
-        rr = tl.load((base + roff).to(tl.pointer_type(tl.int32)) + i, mask=mask)
-        cc = tl.load((base + tl.load(table + 5 * nseg + g)).to(tl.pointer_type(tl.int32)) + (gw - i * cols), mask=mask)
-        p = (((rr + cc) >> 8) & 0xFF).to(UT) << 22
-        xe = (d >> 1) & _EXP_HALF
-        d = (d ^ (xe << 1)) | (((xe + p) & _EXP_HALF) << 1)
+    d = _against_ref(d, base, table, nseg, g, roff, idx, mask, BITS, UT, MODE, True)
     tl.store((base + doff).to(tl.pointer_type(UT)) + idx, d, mask=mask)
 
 
@@ -189,48 +216,12 @@ def _enc_multi(base, table, nseg, ntiles, W: tl.constexpr, BITS: tl.constexpr, U
     """Inverse of ``_dec_multi`` (same table): the words of segment g (at byte ``doff`` of
     ``base``), their residual against the reference (MODE as ``_dec_multi``), into byte planes
     (or words where not PLANES) at byte ``soff`` of ``base``."""
-    pid = tl.program_id(0)
-    g = tl.load(table + 8 * nseg + pid)
-    t0 = tl.load(table + 8 * nseg + ntiles + pid)
-    soff = tl.load(table + g)
-    doff = tl.load(table + nseg + g)
-    roff = tl.load(table + 2 * nseg + g)
-    n = tl.load(table + 3 * nseg + g)
-    idx = t0 + tl.arange(0, TILE).to(tl.int64)
-    mask = idx < n
+    g, soff, doff, roff, n, idx, mask = _segment(table, nseg, ntiles, TILE)
     d = tl.load((base + doff).to(tl.pointer_type(UT)) + idx, mask=mask)
-    rp = (base + roff).to(tl.pointer_type(UT))
-    if MODE == 1:
-        d = d ^ tl.load(rp + idx, mask=mask)
-    elif MODE == 2:
-        d = d - tl.load(rp + idx, mask=mask)
-        top = d >> (BITS - 1)
-        d = d ^ ((top << (BITS - 1)) - top)
-    elif MODE == 3:
-        p = (tl.load(rp + idx, mask=mask) >> 2) & _PRED
-        xe = (d >> 1) & _EXP_HALF
-        d = (d ^ (xe << 1)) | (((xe - p) & _EXP_HALF) << 1)
-    elif MODE == 4:
-        u = tl.load((base + roff).to(tl.pointer_type(tl.uint32)) + idx, mask=mask)
-        c = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16)
-        c = tl.where((u & 0x7FFFFFFF) > 0x7F800000, _NAN_BF16, c).to(UT)
-        d = d ^ c
-    elif MODE == 5:
-        gw = tl.load(table + 7 * nseg + g) + idx
-        cols = tl.load(table + 6 * nseg + g)
-        i = gw // cols
-        rr = tl.load((base + roff).to(tl.pointer_type(tl.int32)) + i, mask=mask)
-        cc = tl.load((base + tl.load(table + 5 * nseg + g)).to(tl.pointer_type(tl.int32)) + (gw - i * cols), mask=mask)
-        p = (((rr + cc) >> 8) & 0xFF).to(UT) << 22
-        xe = (d >> 1) & _EXP_HALF
-        d = (d ^ (xe << 1)) | (((xe - p) & _EXP_HALF) << 1)
+    d = _against_ref(d, base, table, nseg, g, roff, idx, mask, BITS, UT, MODE, False)
     if PLANES:
-        block = tl.load(table + 4 * nseg + g)
+        at, m = _planes_at(table, nseg, g, n, idx, W)
         r = (d << 1) | (d >> (BITS - 1))
-        b = idx // block
-        j = idx - b * block
-        m = tl.minimum(block, n - b * block)
-        at = b * block * W + j
         for k in tl.static_range(W):
             tl.store(base + soff + at + k * m, ((r >> (8 * k)) & 0xFF).to(tl.uint8), mask=mask)
     else:
