@@ -82,7 +82,8 @@ def open_base(reader: Any, base_dir: Any, base_path: Any) -> Any:
         raise BaseCheckpointError(f"chain of bases deeper than {MAX_CHAIN} at {reader.path}")
     what = f"base checkpoint {rec['file']!r} of {reader.path} (looked for at {where})"
     try:
-        base = CheckpointReader(where, base_dir=base_dir, _depth=depth, max_bytes=reader._max_bytes)
+        base = CheckpointReader(where, base_dir=base_dir, _depth=depth, max_bytes=reader._max_bytes,
+                                decode_device=reader.decode_device)  # (one decode pass with the file's own)
     except FileNotFoundError:
         raise BaseCheckpointError(f"{what} is missing; pass base_dir= or base_path= if it moved") from None
     except BaseCheckpointError:

@@ -376,6 +376,8 @@ def _untransform_multi(tk, stream: torch.Tensor, todo: list) -> list:
                 cols = np.asarray([s for _item, s in segs], dtype=np.int64).T
                 tk.decode_multi(stream, *cols, w, mode, planes)
                 continue
+            except torch.cuda.OutOfMemoryError:
+                raise  # (not a kernel problem: the kernels stay on)
             except Exception:  # noqa: BLE001 (Triton compile errors of several kinds; nothing launched)
                 _MULTI[0] = False
         rest.extend(item for item, _s in segs)

@@ -118,6 +118,8 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
             try:
                 tk.encode_multi(stream, *np.asarray([sg for _u, _p, sg in segs], dtype=np.int64).T, w, mode, planes)
                 continue
+            except torch.cuda.OutOfMemoryError:
+                raise  # (not a kernel problem: the kernels stay on)
             except Exception:  # noqa: BLE001 (Triton compile errors of several kinds; nothing launched)
                 _MULTI[0] = False
         for u, p, _sg in segs:  # the kernel is unavailable: the steps of each unit

@@ -10,10 +10,11 @@ path; torch.save 1.7 s). So the first call starts compiling them in a background
 inputs of every specialization ckptzip launches, and returns None until that is done: the first
 save of a process runs on the torch path, later ones on the kernels. ``wait=True`` blocks until
 they are ready (tests, benchmarks); ``CKPTZIP_TRITON_WARMUP=0`` compiles on first use instead.
-The fused reference kernels of incremental saves and loads (``encode_ref`` / ``decode_ref`` with
-``xor`` / ``delta``) are not in the warm-up: they compile on their first use (the first
-incremental save or load of a process), so that the warm-up of every other process stays as
-short as it was; their ``expref`` mode (Adam's first moment, in every default save) is.
+The fused reference kernels of incremental saves and loads (``encode_ref`` / ``decode_ref``, and
+the multi-segment kernels, with ``xor`` / ``delta``) are not in the warm-up: they compile on
+their first use (the first incremental save or load of a process), so that the warm-up of every
+other process stays as short as it was; the modes of every default save (planes, ``expref``,
+``expgrid``, ``derived``) are.
 """
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def _warm(device: int) -> None:
                 z = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
                 one = np.array([[0], [32768], [16384], [512], [256], [24576], [16], [0]], dtype=np.int64)
                 for width, mode, planes in ((2, PLAIN, True), (4, PLAIN, True), (8, PLAIN, True), (4, EXPREF, True),
-                                            (4, EXPREF, False), (2, DERIVED, False), (4, EXPGRID, True)):
+                                            (4, EXPREF, False), (2, DERIVED, False), (2, DERIVED, True),
+                                            (4, EXPGRID, True), (4, EXPGRID, False)):
                     # (saves and loads: one launch per kind of chain)
                     if _STOP.is_set():
                         return

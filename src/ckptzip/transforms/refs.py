@@ -570,7 +570,8 @@ class ExpGrid(_ExpPredictor):
 
     def _pred(self, device: torch.device, i0: int, i1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``i0:i1`` of ``r`` and all of ``c`` as int32 tensors on ``device`` (cached)."""
-        key = str(device)
+        # per CUDA stream: the copy below is ordered only on the stream it was queued on
+        key = (str(device), torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else str(device)
         if key not in self._dev:
             # one asynchronous copy (from pageable memory CUDA stages it at once, without waiting
             # for the device: a blocking copy here waited for every queued decode, per storage)
