@@ -235,14 +235,21 @@ def test_incremental_hypothesis(tmp_path_factory, seed, n, dts, change, extra):
     assert_same(ckptzip.load(b), s2)
 
 
-def test_chain_of_three_and_moved_bases(tmp_path):
+def save_chain(tmp_path, name: str, seed: int, n: int = 4):
+    """States ``s[0..n-1]`` (each nudged from the one before) saved as a chain: ``paths[0]``
+    standalone, each later file against the one before. Returns (states, paths)."""
     s = [mixed_state(d=128)]
-    for k in range(3):
-        s.append(nudge(s[-1], k + 10))
-    paths = [tmp_path / f"s{k}.ckz" for k in range(4)]
+    for k in range(n - 1):
+        s.append(nudge(s[-1], k + seed))
+    paths = [tmp_path / f"{name}{k}.ckz" for k in range(n)]
     ckptzip.save(s[0], paths[0])
-    for k in range(1, 4):
+    for k in range(1, n):
         ckptzip.save(s[k], paths[k], base=paths[k - 1])
+    return s, paths
+
+
+def test_chain_of_three_and_moved_bases(tmp_path):
+    s, paths = save_chain(tmp_path, "s", 10)
     for k in range(4):
         assert_same(ckptzip.load(paths[k]), s[k])
     assert ckptzip.base_chain(paths[3]) == [str(p) for p in paths[2::-1]]
@@ -273,13 +280,7 @@ def test_chain_loads_in_one_pipelined_pass(tmp_path, monkeypatch):
     by jobs of the same pipeline, from their own files, ahead of the deltas), bit-exact, and
     progress counts this file's bytes only."""
     import ckptzip.api as api
-    s = [mixed_state(d=128)]
-    for k in range(3):
-        s.append(nudge(s[-1], k + 20))
-    paths = [tmp_path / f"c{k}.ckz" for k in range(4)]
-    ckptzip.save(s[0], paths[0])
-    for k in range(1, 4):
-        ckptzip.save(s[k], paths[k], base=paths[k - 1])
+    s, paths = save_chain(tmp_path, "c", 20)
     calls = []
     real = api.decode_jobs
 
