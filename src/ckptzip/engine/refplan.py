@@ -94,11 +94,9 @@ def find_derived(refs: list[StorageRef], reuse: bool = False) -> dict[int, Deriv
         key = _layout(refs)
         with _PAIRS_LOCK:
             pairs = _PAIRS.get(key)
-        if pairs:
-            with _PAIRS_LOCK:
-                at = _TURN.get(key, 0) % len(pairs)
-                _TURN[key] = at + PROBE_PAIRS
-            probe = (pairs + pairs)[at:at + min(PROBE_PAIRS, len(pairs))]
+            at = _TURN.get(key, 0) % len(pairs) if pairs else 0
+            _TURN[key] = at + PROBE_PAIRS
+        probe = (pairs + pairs)[at:at + min(PROBE_PAIRS, len(pairs))] if pairs else []
         if pairs and _probes_hold(refs, probe):  # no pair found before: look again
             with _PAIRS_LOCK:
                 if key in _PAIRS:

@@ -24,8 +24,8 @@ import threading
 #: what a byteplane kernel does besides the planes (its MODE, a constexpr: each compiles to its
 #: own kernel): nothing, ``xor`` against a reference, ``delta``'s sign-folded difference, or
 #: ``expref``'s exponent prediction from a float32 reference (32-bit words only), or (multi-segment
-#: loads only) ``derived``'s bfloat16 rounding of a float32 reference and ``expgrid``'s row + column
-#: exponent prediction
+#: kernels only) ``derived``'s bfloat16 rounding of a float32 reference and ``expgrid``'s row +
+#: column exponent prediction
 PLAIN, XOR, DELTA, EXPREF, DERIVED, EXPGRID = 0, 1, 2, 3, 4, 5
 #: saves: storages (windows) from this many bytes on go to the one-storage kernels where one
 #: exists (byte planes, alone or after xor / delta / expref): their aligned, vectorized accesses

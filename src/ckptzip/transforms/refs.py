@@ -676,7 +676,7 @@ def multi_segment(tf: Transform | None, ref: RefTransform | None, at: int, n: in
     if ref is None:
         if bp is None:
             return None
-        mode, w, refb = PLAIN, bp.width, None
+        mode, w = PLAIN, bp.width
     elif ref.ref is None or not ref.ref.is_cuda or ref.ref.device != device:
         return None
     elif bp is not None and planes_after_ref(bp, ref):
@@ -689,12 +689,9 @@ def multi_segment(tf: Transform | None, ref: RefTransform | None, at: int, n: in
         return None
     if n % w or addr % w:
         return None
-    rptr = 0
-    if ref is not None:
-        refb = ref.base_slice(at, n)
-        rptr = refb.data_ptr()
-        if rptr % (4 if mode == DERIVED else w):
-            return None
+    rptr = ref.base_slice(at, n).data_ptr() if ref is not None else 0
+    if rptr % (4 if mode == DERIVED else w):
+        return None
     return mode, w, bp is not None, bp.block if bp is not None else 0, rptr, 0, 0, 0
 
 
