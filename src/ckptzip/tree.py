@@ -309,46 +309,41 @@ class Decoder:
         raise _bad(f"unknown node type {t!r}")
 
 
-def _components(n: Any, comps: tuple, out: list, depth: int) -> None:
-    """(path components, node) of every tensor/ndarray node. A component is ``(dotted text,
-    escaped JSON value)``."""
-    if depth > MAX_DEPTH or not isinstance(n, dict):
-        return
-    t = n.get("t")
-    if t in ("tensor", "ndarray"):
-        out.append((comps, n))
-    elif t in ("dict", "odict") and isinstance(n.get("k"), list) and isinstance(n.get("v"), list):
-        for k, v in zip(n["k"], n["v"]):
-            ks = k if isinstance(k, str) else (k.get("v") if isinstance(k, dict) else str(k))
-            if isinstance(k, dict) and k.get("t") == "int" and isinstance(k.get("v"), str) \
-                    and len(k["v"]) <= 18:
-                esc: Any = int(k["v"])
-            elif k is None or isinstance(k, (bool, str)):
-                esc = k
-            else:
-                esc = k  # the key node itself (floats, tuples, ...)
-            _components(v, comps + ((str(ks), esc),), out, depth + 1)
-    elif t in ("list", "tuple") and isinstance(n.get("v"), list):
-        for i, v in enumerate(n["v"]):
-            _components(v, comps + ((str(i), i),), out, depth + 1)
+def _key_component(k: Any) -> tuple[str, Any]:
+    """A dict key node's path component: ``(dotted text, escaped JSON value)``."""
+    ks = k if isinstance(k, str) else (k.get("v") if isinstance(k, dict) else str(k))
+    if isinstance(k, dict) and k.get("t") == "int" and isinstance(k.get("v"), str) and len(k["v"]) <= 18:
+        esc: Any = int(k["v"])
+    else:  # strings, None, bools, and the key node itself (floats, tuples, ...)
+        esc = k
+    return str(ks), esc
+
+
+def _walk(root: Any, keyed: bool) -> list:
+    """Every tensor/ndarray node of a tree, depth first in key order: ``(path components, node)``
+    (``keyed``; a component is ``(dotted text, escaped JSON value)``), or the nodes alone."""
+    out: list = []
+    stack = [(root, (), 0)]
+    while stack:
+        n, comps, depth = stack.pop()
+        if depth > MAX_DEPTH or not isinstance(n, dict):
+            continue
+        t = n.get("t")
+        if t in ("tensor", "ndarray"):
+            out.append((comps, n) if keyed else n)
+        elif t in ("dict", "odict") and isinstance(n.get("k"), list) and isinstance(n.get("v"), list):
+            kids = list(zip(n["k"], n["v"]))
+            stack.extend((v, comps + (_key_component(k),) if keyed else (), depth + 1) for k, v in reversed(kids))
+        elif t in ("list", "tuple") and isinstance(n.get("v"), list):
+            kids = list(enumerate(n["v"]))
+            stack.extend((v, comps + ((str(i), i),) if keyed else (), depth + 1) for i, v in reversed(kids))
+    return out
 
 
 def tensor_nodes(root: Any) -> list:
     """Every tensor/ndarray node of a (validated) tree, in the order of :func:`tensor_keys`,
     without building their keys."""
-    out: list = []
-    stack = [(root, 0)]
-    while stack:
-        n, depth = stack.pop()
-        if depth > MAX_DEPTH or not isinstance(n, dict):
-            continue
-        t = n.get("t")
-        if t in ("tensor", "ndarray"):
-            out.append(n)
-        elif t in ("dict", "odict", "list", "tuple") and isinstance(n.get("v"), list) and (
-                t in ("list", "tuple") or isinstance(n.get("k"), list)):
-            stack.extend((v, depth + 1) for v in reversed(n["v"]))
-    return out
+    return _walk(root, keyed=False)
 
 
 def escaped_key(comps: tuple) -> str:
@@ -362,8 +357,7 @@ def tensor_keys(root: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     node, except where two tensors would share one dotted key (``1`` and ``"1"``, or ``"a.b"``
     and ``{"a": {"b": ...}}``): those tensors are listed under their :func:`escaped_key` instead.
     ``escaped`` maps every tensor's escaped key to its node."""
-    found: list = []
-    _components(root, (), found, 0)
+    found = _walk(root, keyed=True)
     dotted = [".".join(c for c, _ in comps) for comps, _ in found]
     escaped = [escaped_key(comps) for comps, _ in found]
     counts = collections.Counter(dotted)

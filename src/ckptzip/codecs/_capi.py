@@ -56,13 +56,18 @@ def zstd_opts() -> tuple[_Opts, _Opts]:
     return _Opts.of(b""), _Opts.of(struct.pack("<i", _DEFAULT_BACKEND))
 
 
+#: nvCOMP's Deflate algorithms (0: Huffman only ... 5: highest ratio); the config check of
+#: :class:`ckptzip.codecs.gpu.DeflateGPU` and :func:`deflate_opts` both use this range
+DEFLATE_ALGORITHMS = range(6)
+
+
 def deflate_opts(algorithm: int = 1) -> tuple[_Opts, _Opts]:
     """(compress, decompress) options for Deflate. ``algorithm`` steers only the encoder: 0 is
     entropy coding only (Huffman, no matches: no scratch memory, 40-65 GB/s on an H100), 1
     nvCOMP's default (matches + Huffman), up to 5 (highest ratio); every one writes standard raw
     deflate streams."""
-    if type(algorithm) is not int or not 0 <= algorithm <= 5:
-        raise CodecError(f"Deflate algorithm {algorithm!r} not in 0..5")
+    if type(algorithm) is not int or algorithm not in DEFLATE_ALGORITHMS:
+        raise CodecError(f"Deflate algorithm {algorithm!r} not in 0..{DEFLATE_ALGORITHMS[-1]}")
     return _Opts.of(struct.pack("<i", algorithm)), _Opts.of(struct.pack("<ii", _DEFAULT_BACKEND, 0))
 
 

@@ -312,8 +312,8 @@ def _gpu_codec(wire_id: str, algorithm: str, keys: tuple[str, ...] = (), validat
 
 def _deflate_algorithm(cfg):
     a = cfg.get("algorithm", 1)
-    if type(a) is not int or not 0 <= a <= 5:
-        raise UnknownCodecError(f"Deflate algorithm {a!r} not in 0..5")
+    if type(a) is not int or a not in _capi.DEFLATE_ALGORITHMS:
+        raise UnknownCodecError(f"Deflate algorithm {a!r} not in 0..{_capi.DEFLATE_ALGORITHMS[-1]}")
 
 
 def release_scratch() -> None:

@@ -19,7 +19,7 @@ from ..codecs.gpu import release_scratch
 from ..errors import ChecksumError, CorruptFileError
 from ..format import FLAG_STORED_RAW
 from ..io.reader import read_stored
-from ..kernels import triton_kernels
+from ..kernels import enabled, launch, triton_kernels
 from ..transforms import RefTransform, Transform, get_transform
 from ..transforms.byteplane import np_decode_onto
 from ..transforms.refs import Delta, fused_planes, multi_segment, planes_after_ref
@@ -310,7 +310,7 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
         _cpu_untransform(stream, grp, starts.tolist())
         return
     todo = zip(grp, starts.tolist())
-    if work == "cuda" and tk is not None and _MULTI[0]:
+    if work == "cuda" and tk is not None and enabled("decode_multi"):
         todo = _untransform_multi(tk, stream, list(todo))
     for (job, i, j, a, b), pos in todo:
         part = stream[pos:pos + (b - a)]
@@ -334,9 +334,6 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
                 dst.copy_(tmp)
         else:
             dst.copy_(part)
-
-
-_MULTI = [True]  # False once a multi-segment kernel failed to compile: storage by storage from then on
 
 
 def _untransform_multi(tk, stream: torch.Tensor, todo: list) -> list:
@@ -371,15 +368,9 @@ def _untransform_multi(tk, stream: torch.Tensor, todo: list) -> list:
                           dtype=np.int64).T
         tk.copy_segments(stream, cols[0], stream, cols[1], cols[2])
     for (mode, w, planes), segs in kinds.items():
-        if _MULTI[0]:
-            try:
-                cols = np.asarray([s for _item, s in segs], dtype=np.int64).T
-                tk.decode_multi(stream, *cols, w, mode, planes)
-                continue
-            except torch.cuda.OutOfMemoryError:
-                raise  # (not a kernel problem: the kernels stay on)
-            except Exception:  # noqa: BLE001 (Triton compile errors of several kinds; nothing launched)
-                _MULTI[0] = False
+        if launch("decode_multi", tk.decode_multi, stream, *np.asarray([s for _item, s in segs], dtype=np.int64).T,
+                  w, mode, planes):
+            continue
         rest.extend(item for item, _s in segs)
     return rest
 

@@ -11,7 +11,7 @@ import torch
 from ..codecs.base import Codec
 from ..codecs.cpu import pmap
 from ..format import FLAG_STORED_RAW, ROW
-from ..kernels import triton_kernels
+from ..kernels import enabled, launch, triton_kernels
 from ..transforms import Transform
 from ..transforms.refs import fused_planes, multi_segment
 from .memory import PINNED, ceil_align, copy_segments
@@ -60,31 +60,57 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
     # a reference transform (xor/derived, format 1.1) first turns the unit into its residual, on
     # the storage's device (one elementwise op per window)
     # (on a GPU, ``xor`` / ``delta`` followed by ``byteplane`` is one fused kernel instead)
-    fused: list = [None] * len(units)
-    # on a GPU with the Triton kernels, each kind of chain (planes, expref, expgrid, derived,
-    # xor/delta + planes) is applied to all its units in one launch (multi[k]: the unit's
-    # segment; see transforms.refs.multi_segment), not with a launch or several torch ops per unit
     multi: list = [None] * len(units)
-    if dev == "cuda":
-        here = torch.device("cuda", torch.cuda.current_device())  # where the group stream is
-        tk = triton_kernels() if _MULTI[0] and not (len(units) == 1 and units[0].plan.transform is None) else None
+    here = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" else None  # the group stream's
+    tk = None
+    if dev == "cuda" and enabled("encode_multi") and not (len(units) == 1 and units[0].plan.transform is None):
+        tk = triton_kernels()
         if tk is not None:
             multi = [multi_segment(u.plan.transform, u.plan.ref, u.start, u.data.numel(), u.data.data_ptr(), here,
                                    large_alone=True)
                      if not u.resolved and u.data.numel() and u.data.device == here
                      and (u.plan.transform is not None or u.plan.ref is not None) else None for u in units]
-        fused = [fused_planes(u.plan.transform, u.plan.ref, u.start, u.data)
-                 if multi[k] is None and not u.resolved and u.data.numel() and u.data.device == here else None
-                 for k, u in enumerate(units)]
-    datas = [u.plan.ref.encode(u.data, start=u.start) if u.plan.ref is not None and not u.resolved
-             and u.data.numel() and fused[k] is None and multi[k] is None else u.data for k, u in enumerate(units)]
+
+    def fused_of(u: Unit):  # (on a GPU, ``xor`` / ``delta`` then ``byteplane`` is one fused kernel)
+        return (fused_planes(u.plan.transform, u.plan.ref, u.start, u.data)
+                if here is not None and not u.resolved and u.data.numel() and u.data.device == here else None)
+
+    def residual(u: Unit, fz):  # a unit's data after its reference transform, unless fused
+        return (u.plan.ref.encode(u.data, start=u.start) if u.plan.ref is not None and not u.resolved
+                and u.data.numel() and fz is None else u.data)
+
+    fused = [fused_of(u) if mk is None else None for u, mk in zip(units, multi)]
+    datas = [residual(u, fz) if mk is None else u.data for u, fz, mk in zip(units, fused, multi)]
     single = len(units) == 1 and units[0].plan.transform is None and datas[0].device.type == dev
     stream = datas[0] if single else torch.empty(total, dtype=torch.uint8, device=dev)
     staged = None
-    pos = 0
     copies: tuple[list, list] = ([], [])  # plain same-device copies, done in one batched call
     cpu_tf: list = []  # CPU transforms, run by the CPU pool's threads after the loop
+
+    def steps(u: Unit, data: torch.Tensor, fz, pos: int) -> None:  # one unit's transforms, on its own
+        nonlocal staged
+        n = data.numel()
+        if data.device.type != dev and dev == "cuda":
+            if staged is None:
+                staged = PINNED.acquire(total)
+            staged[pos:pos + n].copy_(data)
+            _upload(staged[pos:pos + n], stream[pos:pos + n], u.plan.transform)
+            return
+        src = data if data.device.type == dev else data.to(dev)
+        if u.plan.transform is not None and dev == "cpu":
+            cpu_tf.append((u.plan.transform, src, stream[pos:pos + n]))
+        elif fz is not None and fz[0].encode_ref(src, fz[1], stream[pos:pos + n], *fz[2:]):
+            pass  # one kernel: residual against the base -> planes
+        elif fz is not None:  # the fused kernel is unavailable: the two steps
+            u.plan.transform.encode(u.plan.ref.encode(src, start=u.start), out=stream[pos:pos + n])
+        elif u.plan.transform is not None:
+            u.plan.transform.encode(src, out=stream[pos:pos + n])
+        else:
+            copies[0].append(stream[pos:pos + n])
+            copies[1].append(src)
+
     kinds: dict[tuple, list] = {}  # (mode, width, planes) -> [(unit, position, segment)]
+    pos = 0
     for u, data, fz, mk in zip(units, datas, fused, multi):
         n = data.numel()
         u.base = pos
@@ -94,41 +120,15 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
             kinds.setdefault((mode, w, planes), []).append(
                 (u, pos, (pos, data.data_ptr() - sb, rptr - sb, n // w, block, cptr - sb if cptr else 0, ncols, w0)))
         elif not single and n:
-            if data.device.type != dev and dev == "cuda":
-                if staged is None:
-                    staged = PINNED.acquire(total)
-                staged[pos:pos + n].copy_(data)
-                _upload(staged[pos:pos + n], stream[pos:pos + n], u.plan.transform)
-            else:
-                src = data if data.device.type == dev else data.to(dev)
-                if u.plan.transform is not None and dev == "cpu":
-                    cpu_tf.append((u.plan.transform, src, stream[pos:pos + n]))
-                elif fz is not None and fz[0].encode_ref(src, fz[1], stream[pos:pos + n], *fz[2:]):
-                    pass  # one kernel: residual against the base -> planes
-                elif fz is not None:  # the fused kernel is unavailable: the two steps
-                    u.plan.transform.encode(u.plan.ref.encode(src, start=u.start), out=stream[pos:pos + n])
-                elif u.plan.transform is not None:
-                    u.plan.transform.encode(src, out=stream[pos:pos + n])
-                else:
-                    copies[0].append(stream[pos:pos + n])
-                    copies[1].append(src)
+            steps(u, data, fz, pos)
         pos += ceil_align(n)
     for (mode, w, planes), segs in kinds.items():
-        if _MULTI[0]:
-            try:
-                tk.encode_multi(stream, *np.asarray([sg for _u, _p, sg in segs], dtype=np.int64).T, w, mode, planes)
-                continue
-            except torch.cuda.OutOfMemoryError:
-                raise  # (not a kernel problem: the kernels stay on)
-            except Exception:  # noqa: BLE001 (Triton compile errors of several kinds; nothing launched)
-                _MULTI[0] = False
-        for u, p, _sg in segs:  # the kernel is unavailable: the steps of each unit
-            d = u.plan.ref.encode(u.data, start=u.start) if u.plan.ref is not None else u.data
-            out = stream[p:p + u.data.numel()]
-            if u.plan.transform is not None:
-                u.plan.transform.encode(d, out=out)
-            else:
-                out.copy_(d)
+        # each kind of chain (planes, expref, expgrid, derived, xor/delta + planes) in one launch
+        if not launch("encode_multi", tk.encode_multi, stream,
+                      *np.asarray([sg for _u, _p, sg in segs], dtype=np.int64).T, w, mode, planes):
+            for u, p, _sg in segs:  # the kernel is unavailable: unit by unit
+                fz = fused_of(u)
+                steps(u, residual(u, fz), fz, p)
     if copies[0]:
         if dev == "cpu":  # numpy: torch's intra-op threads stall on oversubscribed cores
             for d, s in zip(*copies):
@@ -171,9 +171,6 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
         torch.cuda.current_stream().synchronize()  # the staging buffer may be reused next group
         PINNED.release(staged)
     return Encoded(tensors, src, soff, stored, raw, flags, counts)
-
-
-_MULTI = [True]  # False once a multi-segment kernel failed to compile: unit by unit from then on
 
 
 def pack(enc: Encoded, out: torch.Tensor, offs: np.ndarray) -> None:

@@ -39,6 +39,7 @@ MULTI_MAX = 4 << 20
 HASH_MIN = 241
 
 _MOD: object = False  # False: not tried; None: unavailable; else the module
+_OFF: set[str] = set()  # kernel families that failed to compile in this process (see launch)
 _READY = threading.Event()
 _STOP = threading.Event()  # set at interpreter exit: the warm-up stops after the kernel it compiles
 _LOCK = threading.Lock()
@@ -123,6 +124,31 @@ def triton_kernels(wait: bool = False, start: bool = True):
         _READY.wait()
         return _MOD or None
     return None
+
+
+def enabled(family: str) -> bool:
+    """Whether the kernels of ``family`` (a name the callers choose: "fused", "multi") may still be
+    launched: False once one of them failed to compile (:func:`launch`)."""
+    return family not in _OFF
+
+
+def launch(family: str, kernel, *args) -> bool:
+    """Run ``kernel(*args)``, one of the Triton kernels of ``family``; True if it ran. The one policy
+    for kernels that fail: Triton raises before anything is launched (compile errors come in
+    several kinds), so the family is turned off for the process and False tells the caller to do
+    the same work its torch way (same bytes). CUDA running out of memory is not a kernel problem:
+    it is raised, and the family stays on."""
+    if family in _OFF:
+        return False
+    import torch
+    try:
+        kernel(*args)
+        return True
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception:  # noqa: BLE001 (Triton compile errors of several kinds; nothing launched)
+        _OFF.add(family)
+        return False
 
 
 def _start() -> None:

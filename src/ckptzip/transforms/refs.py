@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptFileError, UnknownCodecError
-from ..kernels import DELTA, DERIVED, EXPGRID, EXPREF, MULTI_MAX, PLAIN, XOR, triton_kernels
+from ..kernels import DELTA, DERIVED, EXPGRID, EXPREF, MULTI_MAX, PLAIN, XOR, enabled, launch, triton_kernels
 from .base import Transform, register
 from .byteplane import BytePlane
 
@@ -624,6 +624,25 @@ def planes_after_ref(tf: Transform | None, ref: RefTransform | None) -> bool:
             and (not isinstance(ref, Delta) or ref.width == tf.width))
 
 
+def _chain(bp: BytePlane | None, ref: RefTransform | None) -> tuple[int, int] | None:
+    """``(mode, word width)`` of the byteplane kernels for ``ref`` then ``bp`` (either may be
+    None; ``expgrid`` is classified by :func:`multi_segment` itself): planes alone, planes after a
+    bound ``xor`` / ``delta``, a bound ``expref`` on 32-bit words, a bound float32 -> bfloat16
+    ``derived``; None for every other chain. The one classification both the fused one-storage
+    kernels (:func:`fused_planes`) and the multi-segment ones (:func:`multi_segment`) use."""
+    if ref is None:
+        return (PLAIN, bp.width) if bp is not None else None
+    if ref.ref is None:
+        return None
+    if bp is not None and planes_after_ref(bp, ref):
+        return (DELTA if isinstance(ref, Delta) else XOR), bp.width
+    if isinstance(ref, ExpRef) and (bp is None or bp.width == 4):
+        return EXPREF, 4
+    if isinstance(ref, Derived) and ref.src == "float32" and ref.to == "bfloat16" and (bp is None or bp.width == 2):
+        return DERIVED, 2
+    return None
+
+
 def fused_planes(tf: Transform | None, ref: RefTransform | None, at: int, words: torch.Tensor,
                  start: bool = True) -> tuple | None:
     """``(kernels, reference slice, width, block, mode)`` when ``byteplane`` after a bound
@@ -633,22 +652,18 @@ def fused_planes(tf: Transform | None, ref: RefTransform | None, at: int, words:
     :func:`ckptzip.kernels._triton_bp.encode_ref` / ``decode_ref`` (same bytes as the two steps):
     Triton ready (``start``: see :func:`ckptzip.kernels.triton_kernels`), ``words`` and the
     reference slice on one GPU, word-aligned, whole words; else None."""
-    if planes_after_ref(tf, ref):
-        mode = DELTA if isinstance(ref, Delta) else XOR
-    elif isinstance(tf, BytePlane) and isinstance(ref, ExpRef) and ref.ref is not None and tf.width == 4:
-        mode = EXPREF
-    else:
+    if not isinstance(tf, BytePlane) or ref is None:
         return None
-    w = tf.width
+    kind = _chain(tf, ref)
+    if kind is None or kind[0] not in (XOR, DELTA, EXPREF):
+        return None
+    mode, w = kind
     refb = ref.base_slice(at, words.numel())
     if not all(t.is_cuda and t.device == words.device and t.data_ptr() % w == 0 and t.numel() % w == 0
                for t in (words, refb)):
         return None
-    k = triton_kernels(start=start) if _FUSED_OK else None
+    k = triton_kernels(start=start) if enabled("fused") else None
     return (_Fused(k), refb, w, tf.block, mode) if k is not None else None
-
-
-_FUSED_OK = True  # False once a fused kernel failed to compile: the two steps from then on
 
 
 def multi_segment(tf: Transform | None, ref: RefTransform | None, at: int, n: int, addr: int,
@@ -673,20 +688,12 @@ def multi_segment(tf: Transform | None, ref: RefTransform | None, at: int, n: in
         r, c = ref._pred(device, 0, ref.rows)
         return (EXPGRID, 4, bp is not None, bp.block if bp is not None else 0, r.data_ptr(), c.data_ptr(),
                 ref.cols, at // 4)
-    if ref is None:
-        if bp is None:
-            return None
-        mode, w = PLAIN, bp.width
-    elif ref.ref is None or not ref.ref.is_cuda or ref.ref.device != device:
+    if ref is not None and (ref.ref is None or not ref.ref.is_cuda or ref.ref.device != device):
         return None
-    elif bp is not None and planes_after_ref(bp, ref):
-        mode, w = (DELTA if isinstance(ref, Delta) else XOR), bp.width
-    elif isinstance(ref, ExpRef) and (bp is None or bp.width == 4):
-        mode, w = EXPREF, 4
-    elif isinstance(ref, Derived) and ref.src == "float32" and ref.to == "bfloat16" and (bp is None or bp.width == 2):
-        mode, w = DERIVED, 2
-    else:
+    kind = _chain(bp, ref)
+    if kind is None:
         return None
+    mode, w = kind
     if n % w or addr % w:
         return None
     rptr = ref.base_slice(at, n).data_ptr() if ref is not None else 0
@@ -696,23 +703,14 @@ def multi_segment(tf: Transform | None, ref: RefTransform | None, at: int, n: in
 
 
 class _Fused:
-    """The fused kernels; a call that fails before it launches (Triton cannot compile it) returns
-    False and turns them off for the process, and the caller runs the two steps."""
+    """The fused kernels (family "fused" of :func:`ckptzip.kernels.launch`): a call that fails
+    before it launches returns False, and the caller runs the two steps."""
 
     def __init__(self, k) -> None:
         self._k = k
 
-    def _run(self, name: str, *args) -> bool:
-        global _FUSED_OK
-        try:
-            getattr(self._k, name)(*args)
-            return True
-        except Exception:  # noqa: BLE001 (compilation errors of several kinds)
-            _FUSED_OK = False
-            return False
-
     def encode_ref(self, *args) -> bool:
-        return self._run("encode_ref", *args)
+        return launch("fused", self._k.encode_ref, *args)
 
     def decode_ref(self, *args) -> bool:
-        return self._run("decode_ref", *args)
+        return launch("fused", self._k.decode_ref, *args)
