@@ -43,6 +43,7 @@ def test_byteplane_numpy_and_torch_paths_agree(width, n, block):
     b = bp._torch_encode(raw, torch.empty_like(raw))
     assert torch.equal(a, b)
     import ckptzip.transforms.byteplane as bpm
+    from ckptzip import native
     piece, bpm._TORCH_PIECE = bpm._TORCH_PIECE, 3 * block * width + 1  # pieces of 3 whole blocks
     try:
         assert torch.equal(bp._torch_encode(raw, torch.empty_like(raw)), a)
@@ -52,3 +53,109 @@ def test_byteplane_numpy_and_torch_paths_agree(width, n, block):
     bp.decode(a, x)
     bp._torch_decode(a, y)
     assert torch.equal(x, raw) and torch.equal(y, raw)
+
+
+def test_native_extension_is_built():
+    """setup.py builds ckptzip._bpnative wherever a C compiler is (CI has one): a failed build
+    must not pass unnoticed as the slower numpy path."""
+    import os
+    import ckptzip.transforms.byteplane as bpm
+    from ckptzip import native
+    if os.environ.get("CKPTZIP_NO_NATIVE") == "1":
+        return
+    assert native.lib is not None
+
+
+@settings(max_examples=60, deadline=None)
+@given(width=st.sampled_from([2, 4, 8]), n=st.integers(0, 5000), block=st.integers(1, 900),
+       cut=st.floats(0, 1), fold=st.sampled_from(["xor", "delta"]), inplace=st.booleans())
+def test_byteplane_native_and_numpy_paths_agree(width, n, block, cut, fold, inplace):
+    """The C version (ckptzip._bpnative) writes and reads the numpy version's bytes, over any
+    split of the words between threads, and undoes xor / delta against a reference as the
+    numpy pass does (also in place)."""
+    import numpy as np
+    import ckptzip.transforms.byteplane as bpm
+    from ckptzip import native
+    if native.lib is None:
+        return  # (test_native_extension_is_built says why)
+    C = native.lib
+    rng = np.random.default_rng(n * 7 + block)
+    x = rng.integers(0, 256, n * width, dtype=np.uint8)
+    want = np.empty_like(x)
+    bpm._numpy_encode(x, want, width, block)
+    got = np.zeros_like(x)
+    k = int(cut * n)
+    C.encode(x, got, width, block, 0, k)
+    C.encode(x, got, width, block, k, n)
+    assert (got == want).all()
+    back = np.zeros_like(x)
+    C.decode(want, back, width, block, k, n)
+    C.decode(want, back, width, block, 0, k)
+    assert (back == x).all()
+    ref = rng.integers(0, 256, n * width, dtype=np.uint8)
+    w1 = np.empty_like(x)
+    native.lib = None
+    try:
+        bpm.np_decode_onto(want, w1, ref, width, block, fold)
+    finally:
+        native.lib = C
+    w2 = ref.copy() if inplace else np.empty_like(x)
+    C.decode_onto(want, w2, w2 if inplace else ref, width, block, 1 if fold == "xor" else 2, 0, n)
+    assert (w1 == w2).all()
+
+
+def test_native_refuses_bad_calls():
+    """Sizes, widths, word ranges and overlaps are checked in C: a wrong call is a Python
+    exception, never a stray write."""
+    import numpy as np
+    import pytest
+    import ckptzip.transforms.byteplane as bpm
+    from ckptzip import native
+    if native.lib is None:
+        return
+    C, z = native.lib, np.zeros(64, np.uint8)
+    for call in (lambda: C.encode(z, np.zeros(64, np.uint8), 3, 4, 0, 1),
+                 lambda: C.encode(z, np.zeros(60, np.uint8), 4, 4, 0, 1),
+                 lambda: C.decode(z, np.zeros(64, np.uint8), 4, 4, 0, 17),
+                 lambda: C.decode(z, np.zeros(64, np.uint8), 4, 4, -1, 2),
+                 lambda: C.decode(z, np.zeros(64, np.uint8), 4, 0, 0, 2),
+                 lambda: C.encode(z, z, 4, 4, 0, 2),
+                 lambda: C.encode(z[:32], z[16:48], 4, 4, 0, 2),
+                 lambda: C.decode_onto(z[:32], np.zeros(32, np.uint8), z[:32], 4, 4, 1, 0, 2),
+                 lambda: C.decode_onto(z[:32], np.zeros(32, np.uint8), np.zeros(32, np.uint8), 4, 4, 3, 0, 2)):
+        with pytest.raises(ValueError):
+            call()
+    ro = np.zeros(64, np.uint8)
+    ro.setflags(write=False)
+    with pytest.raises(TypeError):  # the destination must be writable
+        C.decode(z, ro, 4, 4, 0, 2)
+
+
+def test_native_copy_segments():
+    """The CPU groups' raw-chunk copies in C: the Python loop's result; a segment outside either
+    buffer is refused before anything is copied."""
+    import numpy as np
+    import pytest
+    from ckptzip import native
+    from ckptzip.engine import decode
+    if native.lib is None:
+        return
+    rng = np.random.default_rng(1)
+    src = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    lens = rng.integers(0, 300, 50).astype(np.int64)
+    soffs = rng.integers(0, (1 << 16) - 300, 50).astype(np.int64)
+    doffs = np.cumsum(lens + 3) - lens - 3  # disjoint destinations, some adjacent after merging
+    want = np.zeros(int(doffs[-1] + lens[-1]) + 8, np.uint8)
+    for s, d, n in zip(soffs, doffs, lens):
+        want[d:d + n] = src[s:s + n]
+    got = np.zeros_like(want)
+    decode._np_copy_segments(src, soffs, got, doffs, lens)
+    assert (got == want).all()
+    before = got.copy()
+    with pytest.raises(ValueError):
+        native.lib.copy_segments(src, got, np.array([0, 1 << 16], np.int64), np.array([0, 0], np.int64),
+                                 np.array([4, 1], np.int64))
+    assert (got == before).all()
+    with pytest.raises(ValueError):
+        native.lib.copy_segments(src, got, np.array([0], np.int64), np.array([len(got) - 2], np.int64),
+                                 np.array([4], np.int64))

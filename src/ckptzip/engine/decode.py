@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import native
 from ..codecs import _capi
 from ..codecs.base import Codec, get_codec
 from ..codecs.cpu import cpu_threads, pmap
@@ -384,8 +385,18 @@ def _np_copy_segments(src: np.ndarray, soffs: np.ndarray, dst: np.ndarray, doffs
     brk[1:] = (soffs[1:] != soffs[:-1] + lens[:-1]) | (doffs[1:] != doffs[:-1] + lens[:-1])
     starts = np.nonzero(brk)[0]
     lens = np.add.reduceat(lens, starts)
-    for s, d, n in zip(soffs[starts].tolist(), doffs[starts].tolist(), lens.tolist()):
+    soffs, doffs = soffs[starts], doffs[starts]
+    if native.lib is not None:  # in C, without the GIL, split between the pool's threads
+        runs = _runs(lens.tolist(), cpu_threads()) if int(lens.sum()) >= _PARALLEL_COPY else [range(len(lens))]
+        pmap(lambda r: native.lib.copy_segments(src, dst, *(np.ascontiguousarray(a[runs[r].start:runs[r].stop])
+                                                            for a in (soffs, doffs, lens))), len(runs))
+        return
+    for s, d, n in zip(soffs.tolist(), doffs.tolist(), lens.tolist()):
         dst[d:d + n] = src[s:s + n]
+
+
+#: raw chunk bytes from which a CPU group's copies are split between threads
+_PARALLEL_COPY = 4 << 20
 
 
 def _cpu_untransform(stream: torch.Tensor, grp: list, starts: list[int]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import native
 from ..codecs.base import MAX_CHUNK
 from ..errors import CorruptFileError, UnknownCodecError
 from ..kernels import triton_kernels
@@ -158,7 +159,32 @@ def _np_run(fn, steps: list, nbytes: int) -> None:
     pmap(lambda i: fn(parts[i]), k)
 
 
+def _native_run(fn, nbytes: int, w: int, *args) -> None:
+    """``fn(*args, w0, w1)`` (a :mod:`ckptzip._bpnative` function, which releases the GIL) over the
+    words, split between the CPU pool's threads for large inputs."""
+    from ..codecs.cpu import pmap, cpu_threads
+    n = nbytes // w
+    k = min(cpu_threads(), n) if nbytes >= _PARALLEL else 1
+    if k <= 1:
+        fn(*args, 0, n)
+        return
+    cuts = [i * n // k for i in range(k + 1)]
+    pmap(lambda i: fn(*args, cuts[i], cuts[i + 1]), k)
+
+
 def _np_encode(src: np.ndarray, out: np.ndarray, w: int, b: int) -> None:
+    if native.lib is not None:  # one pass in C
+        return _native_run(native.lib.encode, src.size, w, src, out, w, b)
+    _numpy_encode(src, out, w, b)
+
+
+def _np_decode(src: np.ndarray, dst: np.ndarray, w: int, b: int) -> None:
+    if native.lib is not None:
+        return _native_run(native.lib.decode, src.size, w, src, dst, w, b)
+    _numpy_decode(src, dst, w, b)
+
+
+def _numpy_encode(src: np.ndarray, out: np.ndarray, w: int, b: int) -> None:
     """CPU byteplane encode (same wire format as the torch and Triton versions): per step of
     words, rotate into a cache-resident temporary, then narrow each byte into its plane (shifts
     and casts vectorize; a strided byte gather does not)."""
@@ -195,7 +221,7 @@ def _words(planes: np.ndarray, a: int, z: int, w: int, tt: np.ndarray, qq: np.nd
     out |= tt
 
 
-def _np_decode(src: np.ndarray, dst: np.ndarray, w: int, b: int) -> None:
+def _numpy_decode(src: np.ndarray, dst: np.ndarray, w: int, b: int) -> None:
     n = src.size // w
     ut = _UINT[w]
     d = dst.view(ut)
@@ -214,6 +240,8 @@ def np_decode_onto(src: np.ndarray, dst: np.ndarray, ref: np.ndarray, w: int, b:
     ``ref`` into ``dst``, step by step of cache-resident words (no storage-sized temporary, one
     pass over ``dst``; ``ref`` may be ``dst``): ``fold="delta"`` adds the sign-folded residual
     (format 1.1 ``delta``), ``"xor"`` XORs it."""
+    if native.lib is not None:
+        return _native_run(native.lib.decode_onto, src.size, w, src, dst, ref, w, b, 2 if fold == "delta" else 1)
     n = src.size // w
     ut = _UINT[w]
     d, r = dst.view(ut), ref.view(ut)
