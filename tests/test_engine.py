@@ -246,8 +246,8 @@ def test_nvcomp_scratch_grows_in_steps_and_is_released():
 def test_cpu_untransform_runs_cover_every_storage_once(sizes, most):
     """The CPU inverse transforms go to the pool in at most ``most`` consecutive runs (one task
     per storage when there are few): every storage exactly once, in order."""
-    from ckptzip.engine.decode import _runs
-    runs = _runs(sizes, most)
+    from ckptzip.codecs.cpu import runs as make_runs
+    runs = make_runs(sizes, most)
     assert [k for r in runs for k in r] == list(range(len(sizes)))
     assert all(len(r) for r in runs) and len(runs) <= most
 

@@ -148,9 +148,14 @@ def test_native_copy_segments():
     want = np.zeros(int(doffs[-1] + lens[-1]) + 8, np.uint8)
     for s, d, n in zip(soffs, doffs, lens):
         want[d:d + n] = src[s:s + n]
-    got = np.zeros_like(want)
-    decode._np_copy_segments(src, soffs, got, doffs, lens)
-    assert (got == want).all()
+    for parallel in (decode._PARALLEL_COPY, 0):  # one call, and split between threads
+        got = np.zeros_like(want)
+        saved, decode._PARALLEL_COPY = decode._PARALLEL_COPY, parallel
+        try:
+            decode._np_copy_segments(src, soffs, got, doffs, lens)
+        finally:
+            decode._PARALLEL_COPY = saved
+        assert (got == want).all()
     before = got.copy()
     with pytest.raises(ValueError):
         native.lib.copy_segments(src, got, np.array([0, 1 << 16], np.int64), np.array([0, 0], np.int64),
@@ -159,3 +164,65 @@ def test_native_copy_segments():
     with pytest.raises(ValueError):
         native.lib.copy_segments(src, got, np.array([0], np.int64), np.array([len(got) - 2], np.int64),
                                  np.array([4], np.int64))
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), cols=st.integers(1, 70), a=st.floats(0, 1), b=st.floats(0, 1),
+       sign=st.sampled_from([1, -1]), seed=st.integers(0, 99))
+def test_native_exponent_predictors_match_numpy(rows, cols, a, b, sign, seed):
+    """expgrid's and expref's CPU passes in C give the numpy passes' words, on any run of words
+    of the grid (a window starting mid-row), both directions."""
+    import numpy as np
+    import torch as T
+    from ckptzip import native
+    from ckptzip.transforms.refs import ExpGrid, ExpRef
+    if native.lib is None:
+        return
+    rng = np.random.default_rng(seed)
+    n = rows * cols
+    lo, hi = sorted((int(a * n), int(b * n)))
+    x = T.from_numpy(rng.integers(0, 2**32, n, dtype=np.uint32).view(np.int32).copy()).view(T.uint8)
+    grid = ExpGrid(rows, cols, rng.integers(0, 2**16, rows).astype(np.uint16),
+                   rng.integers(0, 2**16, cols).astype(np.uint16))
+    ref = T.from_numpy(rng.integers(0, 2**32, n, dtype=np.uint32).view(np.int32).copy()).view(T.uint8)
+    er = ExpRef(0).bind(ref)
+    for t in (grid, er):
+        src = x[4 * lo:4 * hi]
+        outs = []
+        for lib in (native.lib, None):
+            saved, native.lib = native.lib, lib
+            try:
+                o = T.empty_like(src)
+                t._apply(src, o, 4 * lo, sign)
+                outs.append(o)
+            finally:
+                native.lib = saved
+        assert T.equal(outs[0], outs[1]), type(t).__name__
+
+
+def test_native_plane_entropies_match_numpy():
+    """The CPU planner's sampled plane entropies: the same raw planes with and without C."""
+    import numpy as np
+    import torch as T
+    from ckptzip import native
+    from ckptzip.engine import planner
+    if native.lib is None:
+        return
+    rng = np.random.default_rng(3)
+    for dt in (T.float32, T.bfloat16, T.float64):
+        for data in (T.randn(50_000).to(dt), T.zeros(50_000, dtype=dt), (T.randn(60_000) * 1e-3).to(dt)):
+            flat = data.view(T.uint8)
+            got = planner.cpu_raw_planes(flat, data.element_size())
+            saved, native.lib = native.lib, None
+            try:
+                want = planner.cpu_raw_planes(flat, data.element_size())
+            finally:
+                native.lib = saved
+            assert got == want, (dt, got, want)
+    bits = np.zeros(4, np.float64)
+    import pytest
+    with pytest.raises(ValueError):
+        native.lib.plane_entropy(np.zeros(64, np.uint8), bits, 4, np.array([10], np.int64), 8)
+    native.lib.plane_entropy(np.arange(64, dtype=np.uint8), bits, 4, np.array([0, 8], np.int64), 8)
+    assert bits[0] == 4.0  # 16 distinct low bytes (rotated), equally often
+    _ = rng

@@ -10,6 +10,15 @@
  *   decode_onto(src, dst, ref, width, block, fold, w0, w1)
  *       the same, then combined with ref (fold 1: xor; 2: delta, the sign-folded difference
  *       added back) into dst (ref may be dst)
+ *   exp_grid(src, out, r, c, w0, sign)
+ *       expgrid's residual (sign -1) or its inverse (sign 1) of float32 words src into out: the
+ *       exponent field plus sign x ((r[row] + c[col]) >> 8) mod 256 for word w0 + i of a
+ *       len(r) x len(c) grid (r, c: int32); sign bit and mantissa kept (out may be src)
+ *   exp_ref(src, out, ref, sign)
+ *       expref's: the exponent field plus sign x (the reference word's field >> 1) mod 256
+ *   plane_entropy(src, bits, width, starts, run)
+ *       order-0 entropy (bits per byte, float64 x width) of every byte plane of the rotated
+ *       words of the runs src[starts[i]:+run] (word indices): the CPU planner's sample
  *   copy_segments(src, dst, soffs, doffs, lens)
  *       dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]] for every i (int64 arrays), every
  *       segment checked against both buffers before anything is copied
@@ -21,6 +30,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -304,7 +314,154 @@ done:
     return ret;
 }
 
+/* x with the exponent field plus q >> 23 (q a multiple of 2^23) mod 256, or minus: bit 31 kept */
+static inline uint32_t exp_add(uint32_t x, uint32_t q, int sign) {
+    uint32_t o = sign > 0 ? x + q : x - q;
+    return (o & 0x7FFFFFFFu) | (x & 0x80000000u);
+}
+
+static int same_words(Py_buffer *a, Py_buffer *b) {
+    if (a->len != b->len || a->len % 4) {
+        PyErr_SetString(PyExc_ValueError, "buffers must have one size, a multiple of 4");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_exp_grid(PyObject *self, PyObject *args) {
+    Py_buffer src = {0}, out = {0}, r = {0}, c = {0};
+    long long w0;
+    int sign;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*y*y*Li", &src, &out, &r, &c, &w0, &sign)) return NULL;
+    PyObject *ret = NULL;
+    long long n = src.len / 4, rows = r.len / 4, cols = c.len / 4;
+    if (same_words(&src, &out)) goto done;
+    if (r.len % 4 || c.len % 4 || cols < 1 || w0 < 0 || (n && (w0 + n - 1) / cols >= rows)) {
+        PyErr_SetString(PyExc_ValueError, "expgrid: words outside the grid");
+        goto done;
+    }
+    {
+        const uint32_t *x = src.buf;
+        uint32_t *o = out.buf;
+        const int32_t *rr = r.buf, *cc = c.buf;
+        Py_BEGIN_ALLOW_THREADS
+        long long k = 0;
+        while (k < n) {
+            long long g = w0 + k, row = g / cols, col = g % cols;
+            long long m = cols - col < n - k ? cols - col : n - k;
+            int32_t rv = rr[row];
+            for (long long j = 0; j < m; j++) {
+                uint32_t q = ((uint32_t)(((int32_t)(rv + cc[col + j])) >> 8) & 0xFFu) << 23;
+                o[k + j] = exp_add(x[k + j], q, sign);
+            }
+            k += m;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    Py_INCREF(Py_None);
+    ret = Py_None;
+done:
+    PyBuffer_Release(&src); PyBuffer_Release(&out); PyBuffer_Release(&r); PyBuffer_Release(&c);
+    return ret;
+}
+
+static PyObject *py_exp_ref(PyObject *self, PyObject *args) {
+    Py_buffer src = {0}, out = {0}, ref = {0};
+    int sign;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*y*i", &src, &out, &ref, &sign)) return NULL;
+    PyObject *ret = NULL;
+    if (same_words(&src, &out) || same_words(&src, &ref)) goto done;
+    {
+        long long n = src.len / 4;
+        const uint32_t *x = src.buf, *f = ref.buf;
+        uint32_t *o = out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (long long k = 0; k < n; k++) o[k] = exp_add(x[k], (f[k] >> 1) & 0x3F800000u, sign);
+        Py_END_ALLOW_THREADS
+    }
+    Py_INCREF(Py_None);
+    ret = Py_None;
+done:
+    PyBuffer_Release(&src); PyBuffer_Release(&out); PyBuffer_Release(&ref);
+    return ret;
+}
+
+static PyObject *py_plane_entropy(PyObject *self, PyObject *args) {
+    Py_buffer src = {0}, bits = {0}, starts = {0};
+    int w;
+    long long run;
+    int64_t h[8 * 256];
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*iy*L", &src, &bits, &w, &starts, &run)) return NULL;
+    PyObject *ret = NULL;
+    if ((w != 2 && w != 4 && w != 8) || bits.len != (Py_ssize_t)(w * 8) || starts.len % 8 || run < 1) {
+        PyErr_SetString(PyExc_ValueError, "plane_entropy: width 2, 4 or 8, a float64 output per plane, run >= 1");
+        goto done;
+    }
+    long long n = src.len / w, ns = starts.len / 8;
+    const int64_t *st = starts.buf;
+    for (long long i = 0; i < ns; i++) {
+        if (st[i] < 0 || st[i] > n - run) {
+            PyErr_SetString(PyExc_ValueError, "plane_entropy: run outside the buffer");
+            goto done;
+        }
+    }
+    {
+        const uint8_t *b = src.buf;
+        double *out = bits.buf, total = (double)(ns * run);
+        memset(h, 0, sizeof(h));
+        Py_BEGIN_ALLOW_THREADS
+        for (long long i = 0; i < ns; i++) {
+            const uint8_t *p = b + st[i] * w;
+            if (w == 4) {
+                for (long long j = 0; j < run; j++) {
+                    uint32_t a;
+                    memcpy(&a, p + 4 * j, 4);
+                    a = (a << 1) | (a >> 31);
+                    h[a & 0xFF]++; h[256 + ((a >> 8) & 0xFF)]++; h[512 + ((a >> 16) & 0xFF)]++; h[768 + (a >> 24)]++;
+                }
+            } else if (w == 2) {
+                for (long long j = 0; j < run; j++) {
+                    uint16_t a;
+                    memcpy(&a, p + 2 * j, 2);
+                    a = (uint16_t)((a << 1) | (a >> 15));
+                    h[a & 0xFF]++; h[256 + (a >> 8)]++;
+                }
+            } else {
+                for (long long j = 0; j < run; j++) {
+                    uint64_t a;
+                    memcpy(&a, p + 8 * j, 8);
+                    a = (a << 1) | (a >> 63);
+                    for (int k = 0; k < 8; k++) h[k * 256 + ((a >> (8 * k)) & 0xFF)]++;
+                }
+            }
+        }
+        for (int k = 0; k < w; k++) {
+            double e = 0;
+            for (int v = 0; v < 256; v++) {
+                if (h[k * 256 + v]) {
+                    double q = (double)h[k * 256 + v] / total;
+                    e -= q * log2(q);
+                }
+            }
+            out[k] = total > 0 ? e : 0;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    Py_INCREF(Py_None);
+    ret = Py_None;
+done:
+    PyBuffer_Release(&src); PyBuffer_Release(&bits); PyBuffer_Release(&starts);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
+    {"exp_grid", py_exp_grid, METH_VARARGS, "exp_grid(src, out, r, c, w0, sign): expgrid's residual / inverse"},
+    {"exp_ref", py_exp_ref, METH_VARARGS, "exp_ref(src, out, ref, sign): expref's residual / inverse"},
+    {"plane_entropy", py_plane_entropy, METH_VARARGS,
+     "plane_entropy(src, bits, width, starts, run): order-0 entropy of each byte plane of a sample"},
     {"copy_segments", py_copy_segments, METH_VARARGS,
      "copy_segments(src, dst, soffs, doffs, lens): dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]]"},
     {"encode", py_encode, METH_VARARGS, "encode(src, out, width, block, w0, w1): byte planes of words w0..w1"},

@@ -52,6 +52,25 @@ def pmap(fn: Callable[[int], Any], n: int) -> list[Any]:
     return list(_pool().map(fn, range(n)))
 
 
+def runs(sizes: list[int], most: int) -> list[range]:
+    """Consecutive index runs of ``sizes`` (at most ``most`` of them when there are more items),
+    cut where the running total crosses equal shares of the sum."""
+    n = len(sizes)
+    if n <= most:
+        return [range(k, k + 1) for k in range(n)]
+    cum = np.cumsum(np.asarray(sizes, dtype=np.int64))
+    cuts = np.searchsorted(cum, cum[-1] * np.arange(1, most) / most, side="right")
+    edges = sorted(set([0, *cuts.tolist(), n]))
+    return [range(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+
+
+def pmap_sized(fn: Callable[[int], Any], sizes: list[int]) -> None:
+    """``fn(k)`` for every item ``k`` (of ``sizes[k]`` bytes) on the CPU pool: many small items
+    go in a few runs of about equal bytes (one pool task each cost more in the pool's futures
+    than the work), large ones one task each."""
+    rs = runs(sizes, 4 * cpu_threads())
+    pmap(lambda r: [fn(k) for k in rs[r]], len(rs))
+
 
 def _concat(outs: list) -> tuple[torch.Tensor, list[int], list[int]]:
     """Compressed chunks (buffers) back to back in one uint8 tensor: (tensor, offsets, sizes)."""

@@ -15,7 +15,7 @@ import torch
 from .. import native
 from ..codecs import _capi
 from ..codecs.base import Codec, get_codec
-from ..codecs.cpu import cpu_threads, pmap
+from ..codecs.cpu import cpu_threads, pmap, pmap_sized, runs
 from ..codecs.gpu import release_scratch
 from ..errors import ChecksumError, CorruptFileError
 from ..format import FLAG_STORED_RAW
@@ -387,9 +387,9 @@ def _np_copy_segments(src: np.ndarray, soffs: np.ndarray, dst: np.ndarray, doffs
     lens = np.add.reduceat(lens, starts)
     soffs, doffs = soffs[starts], doffs[starts]
     if native.lib is not None:  # in C, without the GIL, split between the pool's threads
-        runs = _runs(lens.tolist(), cpu_threads()) if int(lens.sum()) >= _PARALLEL_COPY else [range(len(lens))]
-        pmap(lambda r: native.lib.copy_segments(src, dst, *(np.ascontiguousarray(a[runs[r].start:runs[r].stop])
-                                                            for a in (soffs, doffs, lens))), len(runs))
+        parts = runs(lens.tolist(), cpu_threads()) if int(lens.sum()) >= _PARALLEL_COPY else [range(len(lens))]
+        pmap(lambda r: native.lib.copy_segments(src, dst, *(np.ascontiguousarray(a[parts[r].start:parts[r].stop])
+                                                            for a in (soffs, doffs, lens))), len(parts))
         return
     for s, d, n in zip(soffs.tolist(), doffs.tolist(), lens.tolist()):
         dst[d:d + n] = src[s:s + n]
@@ -423,22 +423,7 @@ def _cpu_untransform(stream: torch.Tensor, grp: list, starts: list[int]) -> None
             tf.decode(part, dst)
         else:
             np.copyto(dst.numpy(), part.numpy())
-    # many small storages go to the pool in a few runs of about equal bytes (one task each
-    # cost more in the pool's futures than in numpy); large ones stay one task each
-    runs = _runs([b - a for _job, _i, _j, a, b in grp], 4 * cpu_threads())
-    pmap(lambda r: [one(k) for k in runs[r]], len(runs))
-
-
-def _runs(sizes: list[int], most: int) -> list[range]:
-    """Consecutive index runs of ``sizes`` (at most ``most`` of them when there are more items),
-    cut where the running total crosses equal shares of the sum."""
-    n = len(sizes)
-    if n <= most:
-        return [range(k, k + 1) for k in range(n)]
-    cum = np.cumsum(np.asarray(sizes, dtype=np.int64))
-    cuts = np.searchsorted(cum, cum[-1] * np.arange(1, most) / most, side="right")
-    edges = sorted(set([0, *cuts.tolist(), n]))
-    return [range(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+    pmap_sized(one, [b - a for _job, _i, _j, a, b in grp])
 
 
 def _fused(tf: Transform | None, ref: RefTransform) -> bool:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..codecs.base import Codec
-from ..codecs.cpu import pmap
+from ..codecs.cpu import pmap_sized
 from ..format import FLAG_STORED_RAW, ROW
 from ..kernels import enabled, launch, triton_kernels
 from ..transforms import Transform
@@ -136,7 +136,7 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
         else:
             torch._foreach_copy_(*copies)
     if cpu_tf:
-        pmap(lambda i: cpu_tf[i][0].encode(cpu_tf[i][1], out=cpu_tf[i][2]), len(cpu_tf))
+        pmap_sized(lambda i: cpu_tf[i][0].encode(cpu_tf[i][1], out=cpu_tf[i][2]), [t[1].numel() for t in cpu_tf])
     counts = [len(u.sizes) for u in units]
     soff = np.concatenate([u.offs + u.base for u in units])
     raw = np.concatenate([u.sizes for u in units])

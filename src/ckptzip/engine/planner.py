@@ -19,6 +19,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from .. import native
 from ..codecs.base import MAX_CHUNK, Codec, get_codec
 from ..errors import UnknownCodecError
 from ..transforms import BytePlane
@@ -87,13 +88,18 @@ def cpu_raw_planes(data: torch.Tensor, width: int) -> frozenset:
         return frozenset()
     # numpy, not torch ops: torch's intra-op threads stall when the cores are oversubscribed
     words = data[:n * width] if data.device.type == "cpu" else data[:n * width].cpu()
-    u = words.numpy().view(_UINT[width])
-    u = np.concatenate([u[a:a + k] for a in (i * (n - k) // 3 for i in range(4))])
-    r = (u << 1) | (u >> (8 * width - 1))
-    q = np.stack([np.bincount((r >> (8 * p)).astype(np.uint8), minlength=256)
-                  for p in range(width)]) / len(u)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        h = -np.nansum(q * np.log2(q), axis=1)
+    starts = [i * (n - k) // 3 for i in range(4)]
+    if native.lib is not None:  # one C pass over the sample
+        h = np.empty(width, dtype=np.float64)
+        native.lib.plane_entropy(words.numpy(), h, width, np.asarray(starts, dtype=np.int64), k)
+    else:
+        u = words.numpy().view(_UINT[width])
+        u = np.concatenate([u[a:a + k] for a in starts])
+        r = (u << 1) | (u >> (8 * width - 1))
+        q = np.stack([np.bincount((r >> (8 * p)).astype(np.uint8), minlength=256)
+                      for p in range(width)]) / len(u)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            h = -np.nansum(q * np.log2(q), axis=1)
     return frozenset(int(p) for p in np.nonzero(h > 8 * CPU_RAW_ENTROPY)[0])
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import native
 from ..errors import CorruptFileError, UnknownCodecError
 from ..kernels import DELTA, DERIVED, EXPGRID, EXPREF, MULTI_MAX, PLAIN, XOR, enabled, launch, triton_kernels
 from .base import Transform, register
@@ -393,6 +394,9 @@ class ExpRef(_ExpPredictor):
         src = aligned(src if src.device == out.device else src.to(out.device), 4)
         if out.device.type == "cpu" and not _TORCH_ON_CPU:
             x, r, o = (t.numpy().view(np.uint32) for t in (src, ref, out))
+            if native.lib is not None:  # one pass in C
+                native.lib.exp_ref(x, o, r, sign)
+                return
             q = r >> 1
             q &= np.uint32(0x3F800000)  # (f >> 1) << 23
             _np_exp_add23(x, o, q, sign)
@@ -593,6 +597,9 @@ class ExpGrid(_ExpPredictor):
             if "np" not in self._dev:
                 self._dev["np"] = (self.r.astype(np.int32), self.c.astype(np.int32))
             rr, cc = self._dev["np"]
+            if native.lib is not None:  # one pass in C
+                native.lib.exp_grid(x, o, rr, cc, start // 4, sign)
+                return
         else:
             x, o = src.view(torch.int32), out.view(torch.int32)
         w0, n, L = start // 4, src.numel() // 4, self.cols
