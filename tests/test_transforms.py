@@ -68,11 +68,12 @@ def test_native_extension_is_built():
 
 @settings(max_examples=60, deadline=None)
 @given(width=st.sampled_from([2, 4, 8]), n=st.integers(0, 5000), block=st.integers(1, 900),
-       cut=st.floats(0, 1), fold=st.sampled_from(["xor", "delta"]), inplace=st.booleans())
-def test_byteplane_native_and_numpy_paths_agree(width, n, block, cut, fold, inplace):
+       cut=st.floats(0, 1), fold=st.sampled_from(["xor", "delta"]), inplace=st.booleans(),
+       skew=st.integers(0, 7))
+def test_byteplane_native_and_numpy_paths_agree(width, n, block, cut, fold, inplace, skew):
     """The C version (ckptzip._bpnative) writes and reads the numpy version's bytes, over any
-    split of the words between threads, and undoes xor / delta against a reference as the
-    numpy pass does (also in place)."""
+    split of the words between threads, on buffers of any alignment (``skew``), and undoes
+    xor / delta against a reference as the numpy pass does (also in place)."""
     import numpy as np
     import ckptzip.transforms.byteplane as bpm
     from ckptzip import native
@@ -80,26 +81,32 @@ def test_byteplane_native_and_numpy_paths_agree(width, n, block, cut, fold, inpl
         return  # (test_native_extension_is_built says why)
     C = native.lib
     rng = np.random.default_rng(n * 7 + block)
-    x = rng.integers(0, 256, n * width, dtype=np.uint8)
+
+    def buf(a=None):  # a buffer starting ``skew`` bytes into an allocation (unaligned words)
+        b = np.zeros(n * width + skew, np.uint8)[skew:]
+        if a is not None:
+            b[:] = a
+        return b
+    x = buf(rng.integers(0, 256, n * width, dtype=np.uint8))
     want = np.empty_like(x)
     bpm._numpy_encode(x, want, width, block)
-    got = np.zeros_like(x)
+    got = buf()
     k = int(cut * n)
     C.encode(x, got, width, block, 0, k)
     C.encode(x, got, width, block, k, n)
     assert (got == want).all()
-    back = np.zeros_like(x)
+    back = buf()
     C.decode(want, back, width, block, k, n)
     C.decode(want, back, width, block, 0, k)
     assert (back == x).all()
-    ref = rng.integers(0, 256, n * width, dtype=np.uint8)
+    ref = buf(rng.integers(0, 256, n * width, dtype=np.uint8))
     w1 = np.empty_like(x)
     native.lib = None
     try:
         bpm.np_decode_onto(want, w1, ref, width, block, fold)
     finally:
         native.lib = C
-    w2 = ref.copy() if inplace else np.empty_like(x)
+    w2 = buf(ref) if inplace else buf()
     C.decode_onto(want, w2, w2 if inplace else ref, width, block, 1 if fold == "xor" else 2, 0, n)
     assert (w1 == w2).all()
 

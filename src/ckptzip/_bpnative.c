@@ -35,6 +35,22 @@
 #include <emmintrin.h>
 #endif
 
+/* Words are read and written through these types: buffers need not be aligned to their width
+ * (alignment 1, no strict-aliasing assumptions; plain loads and stores on x86-64 and arm64). */
+#if defined(__GNUC__)
+typedef uint16_t u16a __attribute__((aligned(1), may_alias));
+typedef uint32_t u32a __attribute__((aligned(1), may_alias));
+typedef uint64_t u64a __attribute__((aligned(1), may_alias));
+typedef int32_t i32a __attribute__((aligned(1), may_alias));
+typedef int64_t i64a __attribute__((aligned(1), may_alias));
+#else
+typedef uint16_t u16a;
+typedef uint32_t u32a;
+typedef uint64_t u64a;
+typedef int32_t i32a;
+typedef int64_t i64a;
+#endif
+
 typedef struct { Py_buffer src, dst, ref; int has_ref; } bufs_t;
 
 static void release(bufs_t *b) {
@@ -47,7 +63,7 @@ static void release(bufs_t *b) {
 static void enc_run(const uint8_t *words, uint8_t *p, int w, int64_t m, int64_t j0, int64_t j1) {
     int64_t j = j0;
     if (w == 4) {
-        const uint32_t *x = (const uint32_t *)words;
+        const u32a *x = (const u32a *)words;
         uint8_t *p0 = p, *p1 = p + m, *p2 = p + 2 * m, *p3 = p + 3 * m;
 #if defined(__SSE2__)
         const __m128i lo = _mm_set1_epi32(0xFF);
@@ -78,7 +94,7 @@ static void enc_run(const uint8_t *words, uint8_t *p, int w, int64_t m, int64_t 
             p0[j] = (uint8_t)a; p1[j] = (uint8_t)(a >> 8); p2[j] = (uint8_t)(a >> 16); p3[j] = (uint8_t)(a >> 24);
         }
     } else if (w == 2) {
-        const uint16_t *x = (const uint16_t *)words;
+        const u16a *x = (const u16a *)words;
         uint8_t *p0 = p, *p1 = p + m;
 #if defined(__SSE2__)
         const __m128i lo = _mm_set1_epi16(0xFF);
@@ -97,7 +113,7 @@ static void enc_run(const uint8_t *words, uint8_t *p, int w, int64_t m, int64_t 
             p0[j] = (uint8_t)a; p1[j] = (uint8_t)(a >> 8);
         }
     } else { /* 8 */
-        const uint64_t *x = (const uint64_t *)words;
+        const u64a *x = (const u64a *)words;
         for (; j < j1; j++) {
             uint64_t a = x[j];
             a = (a << 1) | (a >> 63);
@@ -111,8 +127,8 @@ static void dec_run(const uint8_t *p, uint8_t *words, const uint8_t *refw, int f
                     int64_t j0, int64_t j1) {
     int64_t j = j0;
     if (w == 4) {
-        uint32_t *y = (uint32_t *)words;
-        const uint32_t *r = (const uint32_t *)refw;
+        u32a *y = (u32a *)words;
+        const u32a *r = (const u32a *)refw;
         const uint8_t *p0 = p, *p1 = p + m, *p2 = p + 2 * m, *p3 = p + 3 * m;
 #if defined(__SSE2__)
         if (fold == 0) {
@@ -140,8 +156,8 @@ static void dec_run(const uint8_t *p, uint8_t *words, const uint8_t *refw, int f
             y[j] = a;
         }
     } else if (w == 2) {
-        uint16_t *y = (uint16_t *)words;
-        const uint16_t *r = (const uint16_t *)refw;
+        u16a *y = (u16a *)words;
+        const u16a *r = (const u16a *)refw;
         const uint8_t *p0 = p, *p1 = p + m;
 #if defined(__SSE2__)
         if (fold == 0) {
@@ -164,8 +180,8 @@ static void dec_run(const uint8_t *p, uint8_t *words, const uint8_t *refw, int f
             y[j] = a;
         }
     } else { /* 8 */
-        uint64_t *y = (uint64_t *)words;
-        const uint64_t *r = (const uint64_t *)refw;
+        u64a *y = (u64a *)words;
+        const u64a *r = (const u64a *)refw;
         for (; j < j1; j++) {
             uint64_t a = 0;
             for (int k = 0; k < 8; k++) a |= (uint64_t)p[k * m + j] << (8 * k);
@@ -289,7 +305,7 @@ static PyObject *py_copy_segments(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "offsets and lengths must be int64 arrays of one length");
         goto done;
     }
-    const int64_t *s = so.buf, *d = dof.buf, *l = ln.buf;
+    const i64a *s = so.buf, *d = dof.buf, *l = ln.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (s[i] < 0 || d[i] < 0 || l[i] < 0 || s[i] > src.len - l[i] || d[i] > dst.len - l[i]) {
             PyErr_SetString(PyExc_ValueError, "segment outside its buffer");
@@ -342,9 +358,9 @@ static PyObject *py_exp_grid(PyObject *self, PyObject *args) {
         goto done;
     }
     {
-        const uint32_t *x = src.buf;
-        uint32_t *o = out.buf;
-        const int32_t *rr = r.buf, *cc = c.buf;
+        const u32a *x = src.buf;
+        u32a *o = out.buf;
+        const i32a *rr = r.buf, *cc = c.buf;
         Py_BEGIN_ALLOW_THREADS
         long long k = 0;
         while (k < n) {
@@ -375,8 +391,8 @@ static PyObject *py_exp_ref(PyObject *self, PyObject *args) {
     if (same_words(&src, &out) || same_words(&src, &ref)) goto done;
     {
         long long n = src.len / 4;
-        const uint32_t *x = src.buf, *f = ref.buf;
-        uint32_t *o = out.buf;
+        const u32a *x = src.buf, *f = ref.buf;
+        u32a *o = out.buf;
         Py_BEGIN_ALLOW_THREADS
         for (long long k = 0; k < n; k++) o[k] = exp_add(x[k], (f[k] >> 1) & 0x3F800000u, sign);
         Py_END_ALLOW_THREADS
@@ -401,7 +417,7 @@ static PyObject *py_plane_entropy(PyObject *self, PyObject *args) {
         goto done;
     }
     long long n = src.len / w, ns = starts.len / 8;
-    const int64_t *st = starts.buf;
+    const i64a *st = starts.buf;
     for (long long i = 0; i < ns; i++) {
         if (st[i] < 0 || st[i] > n - run) {
             PyErr_SetString(PyExc_ValueError, "plane_entropy: run outside the buffer");
