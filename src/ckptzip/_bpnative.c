@@ -231,25 +231,8 @@ static int check(bufs_t *b, int w, long long block, long long w0, long long w1) 
         i = e;                                                              \
     }
 
-static PyObject *py_encode(PyObject *self, PyObject *args) {
-    (void)self;
-    bufs_t b = {0};
-    int w;
-    long long block, w0, w1;
-    if (!PyArg_ParseTuple(args, "y*w*iLLL", &b.src, &b.dst, &w, &block, &w0, &w1)) return NULL;
-    if (check(&b, w, block, w0, w1)) { release(&b); return NULL; }
-    long long n = b.src.len / w;
-    const uint8_t *src = b.src.buf;
-    uint8_t *out = b.dst.buf;
-    Py_BEGIN_ALLOW_THREADS
-    FOR_BLOCKS(n, block, w0, w1, enc_run(src + s * w, out + s * w, w, m, j0, j1))
-    Py_END_ALLOW_THREADS
-    release(&b);
-    Py_RETURN_NONE;
-}
-
-static PyObject *py_decode(PyObject *self, PyObject *args) {
-    (void)self;
+/* byteplane encode (decode = 0) or decode (1) of words w0..w1 */
+static PyObject *planes(PyObject *args, int decode) {
     bufs_t b = {0};
     int w;
     long long block, w0, w1;
@@ -259,11 +242,19 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     const uint8_t *src = b.src.buf;
     uint8_t *dst = b.dst.buf;
     Py_BEGIN_ALLOW_THREADS
-    FOR_BLOCKS(n, block, w0, w1, dec_run(src + s * w, dst + s * w, NULL, 0, w, m, j0, j1))
+    if (decode) {
+        FOR_BLOCKS(n, block, w0, w1, dec_run(src + s * w, dst + s * w, NULL, 0, w, m, j0, j1))
+    } else {
+        FOR_BLOCKS(n, block, w0, w1, enc_run(src + s * w, dst + s * w, w, m, j0, j1))
+    }
     Py_END_ALLOW_THREADS
     release(&b);
     Py_RETURN_NONE;
 }
+
+static PyObject *py_encode(PyObject *self, PyObject *args) { (void)self; return planes(args, 0); }
+
+static PyObject *py_decode(PyObject *self, PyObject *args) { (void)self; return planes(args, 1); }
 
 static PyObject *py_decode_onto(PyObject *self, PyObject *args) {
     (void)self;
