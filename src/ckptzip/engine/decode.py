@@ -414,6 +414,10 @@ def _cpu_untransform(stream: torch.Tensor, grp: list, starts: list[int]) -> None
                 np_decode_onto(part.numpy(), dst.numpy(), ref.base_slice(a, b_ - a).numpy(), tf.width, tf.block,
                                "delta" if isinstance(ref, Delta) else "xor")
                 return
+            if tf is not None and ref.in_place:  # planes into the destination, then the words there
+                tf.decode(part, dst)
+                ref.decode(dst, dst, start=a)
+                return
             if tf is not None:
                 tmp = torch.empty_like(part)
                 tf.decode(part, tmp)

@@ -117,6 +117,9 @@ class RefTransform(Transform):
     word = 1
     #: the format minor version a file that uses this transform needs
     minor = 1
+    #: :meth:`decode` may run with ``src`` and ``dst`` the same tensor (word by word, its
+    #: reference elsewhere): a CPU load then undoes the planes straight into the destination
+    in_place = False
 
     def __init__(self) -> None:
         self.ref: torch.Tensor | None = None
@@ -338,6 +341,7 @@ class _ExpPredictor(RefTransform):
     field of float32 words, in windows of whole words (``_apply``)."""
     word = 4
     minor = 2
+    in_place = True  # (the exponent field of each word, from a prediction held elsewhere)
 
     def _apply(self, src: torch.Tensor, out: torch.Tensor, start: int, sign: int) -> None:
         raise NotImplementedError
