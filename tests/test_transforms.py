@@ -129,7 +129,16 @@ def test_native_refuses_bad_calls():
                  lambda: C.encode(z, z, 4, 4, 0, 2),
                  lambda: C.encode(z[:32], z[16:48], 4, 4, 0, 2),
                  lambda: C.decode_onto(z[:32], np.zeros(32, np.uint8), z[:32], 4, 4, 1, 0, 2),
-                 lambda: C.decode_onto(z[:32], np.zeros(32, np.uint8), np.zeros(32, np.uint8), 4, 4, 3, 0, 2)):
+                 lambda: C.decode_onto(z[:32], np.zeros(32, np.uint8), np.zeros(32, np.uint8), 4, 4, 3, 0, 2),
+                 # a reference that partly overlaps the destination (the result would depend on
+                 # the thread split)
+                 lambda: (lambda b: C.decode_onto(z[:32], b[:32], b[4:36], 4, 4, 1, 0, 8))(np.zeros(64, np.uint8)),
+                 # expgrid: word indices past the grid, also where rows x cols or w0 + n overflow
+                 lambda: C.exp_grid(z[:16], np.zeros(16, np.uint8), np.zeros(2, np.int32), np.zeros(2, np.int32), 1, 1),
+                 lambda: C.exp_grid(z[:16], np.zeros(16, np.uint8), np.zeros(1, np.int32), np.zeros(3, np.int32),
+                                    2**63 - 1, 1),
+                 lambda: C.exp_ref(z[:16], np.zeros(16, np.uint8), z[:12], 1),
+                 lambda: C.plane_entropy(z, np.zeros(4), 4, np.array([2**62], np.int64), 1)):
         with pytest.raises(ValueError):
             call()
     ro = np.zeros(64, np.uint8)

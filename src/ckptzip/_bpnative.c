@@ -269,11 +269,14 @@ static PyObject *py_decode_onto(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "fold must be 1 (xor) or 2 (delta)");
         return NULL;
     }
-    /* ref may be dst (in place), never overlapping src: each word is read before it is written */
-    if ((const char *)b.ref.buf < (const char *)b.src.buf + b.src.len &&
-        (const char *)b.src.buf < (const char *)b.ref.buf + b.ref.len) {
+    /* ref is dst (in place: each word is read before it is written) or apart from it, and never
+     * overlaps src: a partial overlap would make the result depend on the thread split */
+    if (((const char *)b.ref.buf < (const char *)b.src.buf + b.src.len &&
+         (const char *)b.src.buf < (const char *)b.ref.buf + b.ref.len) ||
+        (b.ref.buf != b.dst.buf && (const char *)b.ref.buf < (const char *)b.dst.buf + b.dst.len &&
+         (const char *)b.dst.buf < (const char *)b.ref.buf + b.ref.len)) {
         release(&b);
-        PyErr_SetString(PyExc_ValueError, "src and ref overlap");
+        PyErr_SetString(PyExc_ValueError, "ref overlaps src, or overlaps dst without being dst");
         return NULL;
     }
     long long n = b.src.len / w;
@@ -291,12 +294,19 @@ static PyObject *py_copy_segments(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "y*w*y*y*y*", &src, &dst, &so, &dof, &ln)) return NULL;
     PyObject *ret = NULL;
+    int64_t *t = NULL;
     Py_ssize_t n = ln.len / 8;
     if (so.len != ln.len || dof.len != ln.len || ln.len % 8) {
         PyErr_SetString(PyExc_ValueError, "offsets and lengths must be int64 arrays of one length");
         goto done;
     }
-    const i64a *s = so.buf, *d = dof.buf, *l = ln.buf;
+    /* a private copy of the tables: what is checked is what is used after the GIL is released */
+    t = PyMem_Malloc((size_t)(3 * n + 1) * sizeof(int64_t));
+    if (!t) { PyErr_NoMemory(); goto done; }
+    memcpy(t, so.buf, (size_t)so.len);
+    memcpy(t + n, dof.buf, (size_t)dof.len);
+    memcpy(t + 2 * n, ln.buf, (size_t)ln.len);
+    const int64_t *s = t, *d = t + n, *l = t + 2 * n;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (s[i] < 0 || d[i] < 0 || l[i] < 0 || s[i] > src.len - l[i] || d[i] > dst.len - l[i]) {
             PyErr_SetString(PyExc_ValueError, "segment outside its buffer");
@@ -313,6 +323,7 @@ static PyObject *py_copy_segments(PyObject *self, PyObject *args) {
     Py_INCREF(Py_None);
     ret = Py_None;
 done:
+    PyMem_Free(t);
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     PyBuffer_Release(&so);
@@ -344,7 +355,9 @@ static PyObject *py_exp_grid(PyObject *self, PyObject *args) {
     PyObject *ret = NULL;
     long long n = src.len / 4, rows = r.len / 4, cols = c.len / 4;
     if (same_words(&src, &out)) goto done;
-    if (r.len % 4 || c.len % 4 || cols < 1 || w0 < 0 || (n && (w0 + n - 1) / cols >= rows)) {
+    long long cells;
+    if (r.len % 4 || c.len % 4 || cols < 1 || w0 < 0 || __builtin_mul_overflow(rows, cols, &cells)
+        || w0 > cells || n > cells - w0) {
         PyErr_SetString(PyExc_ValueError, "expgrid: words outside the grid");
         goto done;
     }
@@ -359,7 +372,9 @@ static PyObject *py_exp_grid(PyObject *self, PyObject *args) {
             long long m = cols - col < n - k ? cols - col : n - k;
             int32_t rv = rr[row];
             for (long long j = 0; j < m; j++) {
-                uint32_t q = ((uint32_t)(((int32_t)(rv + cc[col + j])) >> 8) & 0xFFu) << 23;
+                /* the sum wraps as numpy's int32 does (unsigned: no undefined overflow) */
+                int32_t p = (int32_t)((uint32_t)rv + (uint32_t)cc[col + j]);
+                uint32_t q = ((uint32_t)(p >> 8) & 0xFFu) << 23;
                 o[k + j] = exp_add(x[k + j], q, sign);
             }
             k += m;
@@ -403,21 +418,28 @@ static PyObject *py_plane_entropy(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "y*w*iy*L", &src, &bits, &w, &starts, &run)) return NULL;
     PyObject *ret = NULL;
+    int64_t *st = NULL;
     if ((w != 2 && w != 4 && w != 8) || bits.len != (Py_ssize_t)(w * 8) || starts.len % 8 || run < 1) {
         PyErr_SetString(PyExc_ValueError, "plane_entropy: width 2, 4 or 8, a float64 output per plane, run >= 1");
         goto done;
     }
-    long long n = src.len / w, ns = starts.len / 8;
-    const i64a *st = starts.buf;
+    long long n = src.len / w, ns = starts.len / 8, words;
+    st = PyMem_Malloc((size_t)(ns + 1) * sizeof(int64_t));  /* checked once, used as checked */
+    if (!st) { PyErr_NoMemory(); goto done; }
+    memcpy(st, starts.buf, (size_t)starts.len);
     for (long long i = 0; i < ns; i++) {
         if (st[i] < 0 || st[i] > n - run) {
             PyErr_SetString(PyExc_ValueError, "plane_entropy: run outside the buffer");
             goto done;
         }
     }
+    if (__builtin_mul_overflow(ns, run, &words)) {
+        PyErr_SetString(PyExc_ValueError, "plane_entropy: sample too large");
+        goto done;
+    }
     {
         const uint8_t *b = src.buf;
-        double *out = bits.buf, total = (double)(ns * run);
+        double ent[8], total = (double)words;
         memset(h, 0, sizeof(h));
         Py_BEGIN_ALLOW_THREADS
         for (long long i = 0; i < ns; i++) {
@@ -453,13 +475,15 @@ static PyObject *py_plane_entropy(PyObject *self, PyObject *args) {
                     e -= q * log2(q);
                 }
             }
-            out[k] = total > 0 ? e : 0;
+            ent[k] = total > 0 ? e : 0;
         }
         Py_END_ALLOW_THREADS
+        memcpy(bits.buf, ent, (size_t)w * sizeof(double));
     }
     Py_INCREF(Py_None);
     ret = Py_None;
 done:
+    PyMem_Free(st);
     PyBuffer_Release(&src); PyBuffer_Release(&bits); PyBuffer_Release(&starts);
     return ret;
 }
@@ -482,4 +506,14 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bpnative",
                                     "ckptzip's CPU byteplane transform in C (see byteplane.py)", -1, methods,
                                     NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__bpnative(void) { return PyModule_Create(&module); }
+/* what ckptzip.native checks: a build of another version of this file is not used */
+#define BPNATIVE_API 2
+
+PyMODINIT_FUNC PyInit__bpnative(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "API", BPNATIVE_API) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
