@@ -592,3 +592,18 @@ def test_gpu_hashed_load_reports_damaged_chunks(tmp_path):
     write_parts(q, data, doc, rows)
     with pytest.raises(ckptzip.ChecksumError, match=f"offset {int(rows['offset'][k])}"):
         ckptzip.load(q, map_location="cuda")
+
+
+@pytest.mark.parametrize("chunk", [65, 1023, 4098])
+def test_ans_on_words_rounds_odd_chunk_sizes(tmp_path, chunk):
+    """A ``chunk_size`` that is not a multiple of 4 (the API allows 64..16 MiB): the plans that
+    code float32 words with ANS (tiny storages, the sampled "words" variant) cut chunks of whole
+    words; nvCOMP refuses others. Found by test_expref's round trip run on a GPU machine."""
+    g = torch.Generator().manual_seed(chunk)
+    st = {"tiny": torch.randn(7, generator=g), "w": torch.randn(64, 48, generator=g),
+          "h": torch.randn(300, 129, generator=g).half()}
+    p = tmp_path / "odd.ckz"
+    ckptzip.save(st, p, chunk_size=chunk)
+    back = ckptzip.load(p)
+    for k in st:
+        assert same_bits(back[k], st[k]), k

@@ -78,6 +78,12 @@ def byteplane_for(ref: StorageRef, chunk_size: int) -> BytePlane | None:
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
+def _whole_words(chunk: int, width: int) -> int:
+    """A chunk size for ANS on words of ``width`` bytes: nvCOMP needs every chunk to hold whole
+    words (a ``chunk_size`` such as 65 is rounded down to 64)."""
+    return max(width, chunk // width * width)
+
+
 def cpu_raw_planes(data: torch.Tensor, width: int) -> frozenset:
     """Byte planes (as :class:`BytePlane` numbers them) whose order-0 entropy, estimated on up to
     4 runs of CPU_ENTROPY_RUN words spread over ``data``, exceeds CPU_RAW_ENTROPY. Storages under
@@ -165,7 +171,7 @@ class Planner:
         if self.auto and ans_planes and word and ref.data.numel() < MIN_TRANSFORMED:
             # tiny storages (biases, norms): ANS on whole words compresses them about as well as
             # byte planes and needs no transform launch of their own
-            return Plan(None, self.codec({"id": "ans", "data_type": word}), chunk), {}
+            return Plan(None, self.codec({"id": "ans", "data_type": word}), _whole_words(chunk, tf.width)), {}
         if self.auto and cfg["id"] == "ans" and tf is None and ref.elem.startswith("float8"):
             return Plan(None, self.codec({"id": "ans", "data_type": "|f1"}), chunk), {}
         if self.dev == "cpu" and tf is not None:
@@ -186,7 +192,7 @@ class Planner:
                                                 plane_chunks={top: ec})
         word = _ANS_WORD.get(tf.width)
         if self.auto and c.wire_id == "ans" and word:
-            variants["words"] = Plan(None, self.codec({"id": "ans", "data_type": word}), chunk)
+            variants["words"] = Plan(None, self.codec({"id": "ans", "data_type": word}), _whole_words(chunk, tf.width))
         return plan, variants
 
     def plan_all(self, refs: list[StorageRef], window: int, reuse: bool = False,
