@@ -166,7 +166,9 @@ def test_decompression_bomb(tmp_path):
     """A chunk whose zstd frame expands far beyond its declared raw size is refused without
     allocating the expansion."""
     p = tmp_path / "b.ckz"
-    ckptzip.save({"x": torch.randint(0, 255, (65536,), dtype=torch.uint8)}, p, codec="zstd", transform=None)
+    # (device="cpu": one chunk on every machine; a GPU's zstd cuts smaller chunks)
+    ckptzip.save({"x": torch.randint(0, 255, (65536,), dtype=torch.uint8)}, p, codec="zstd", transform=None,
+                 device="cpu")
     data, doc, rows = read_parts(p)
     bomb = zstandard.ZstdCompressor(level=19, write_content_size=False).compress(b"\0" * (64 << 20))
     assert len(bomb) < 65536

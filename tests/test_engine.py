@@ -262,7 +262,8 @@ def test_decode_group_starts_every_storage_aligned(tmp_path, monkeypatch):
     state = {"a_step": torch.tensor(3.0), "b": torch.randn(4096), "c_step": torch.tensor(7, dtype=torch.int64),
              "d": torch.randn(3, 1000).bfloat16(), "e": torch.randn(777)}
     p = tmp_path / "s.ckz"
-    ckptzip.save(state, p, codec="zstd", transform=None)
+    # the CPU decoder under test on every machine (a GPU machine would save and decode on the GPU)
+    ckptzip.save(state, p, codec="zstd", transform=None, device="cpu")
     seen = []
     orig = ccpu.ZstdCPU.decode
 
@@ -270,6 +271,6 @@ def test_decode_group_starts_every_storage_aligned(tmp_path, monkeypatch):
         seen.extend(int(x) for x in do)
         return orig(self, src, so, ss, dst, do, ds)
     monkeypatch.setattr(ccpu.ZstdCPU, "decode", spy)
-    back = ckptzip.load(p)
+    back = ckptzip.load(p, decode_device="cpu")
     assert all(torch.equal(back[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)) for k, v in state.items())
     assert seen and all(o % 16 == 0 for o in seen), seen
