@@ -354,6 +354,9 @@ def test_loss_budget_correction_meets_measured_budget(tmp_path):
 def test_size_target_is_never_exceeded(tmp_path, mode):
     sd, eval_fn = _interacting(n=5, seed=4)
     kw = {"eval_fn": eval_fn} if mode == "eval" else {}
+    # the targets below are calibrated to the CPU's coding of these small tensors (a GPU's ANS
+    # stores the smallest allocation at 2.97 bpw, where a 2.9 target is then refused, rightly)
+    kw["device"] = "cpu"
     with pytest.raises(ex.BudgetError, match="smallest stored"):  # int2-g32 stores ~2.8 bpw here
         ex.export(sd, tmp_path / "low.ckz", scheme="auto", bpw=2.6, force=True, **kw)
     for i, target in enumerate((2.9, 3.3, 4.2, 4.9, 6.0, 7.95, 9.0)):

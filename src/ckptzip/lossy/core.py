@@ -66,11 +66,12 @@ def _classify(weights: Mapping[str, torch.Tensor], keep: Iterable[str], nonfinit
     return quant, kept
 
 
-def _measure_stored(tree: dict) -> int:
-    """Bytes ckptzip stores for ``tree`` (written to a temporary file and measured)."""
+def _measure_stored(tree: dict, device: str) -> int:
+    """Bytes ckptzip stores for ``tree`` coded on ``device`` (written to a temporary file and
+    measured: the export is then written there too, so the measure is the export's size)."""
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "m.ckz")
-        ckptzip.save(tree, p, fsync=False)
+        ckptzip.save(tree, p, fsync=False, device=device)
         return os.path.getsize(p)
 
 
@@ -93,6 +94,9 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
     NonFiniteWeightError naming the tensor) or ``"keep"`` (store such tensors exactly).
     ``format``: ``"ckz"`` (one lossy .ckz) or ``"compressed-tensors"`` (a directory). The library
     prints nothing; ``progress(done, total)`` is called as tensors are measured and quantized.
+    ``device``: where the export quantizes, measures its stored size and codes the .ckz (default:
+    the GPU if there is one); a GPU's codec and the CPU's store the same codes at slightly
+    different sizes, so a ``bpw`` target is met for the device that writes.
 
     ``scheme="auto"`` options: ``sensitivity``: a table from ``alloc.measure`` (same candidates,
     same eval_fn) to reuse instead of measuring again; ``damage_model``: ``"fit"`` or ``"measured"``
@@ -151,7 +155,7 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
         for s in sorted(cands, key=lambda s: -sum(table[n][s]["bits"] for n in quant_names)):
             u = {n: s for n in quant_names}
             if sum(table[n][s]["bits"] for n in quant_names) <= target_bits * 1.05 and \
-                    8 * _measure_stored(_codes_tree(u)) <= target_bits:
+                    8 * _measure_stored(_codes_tree(u), dev) <= target_bits:
                 fits.append(u)
                 break
         info: dict[str, Any] = {"allocation": joint_loss(choice) - base}
@@ -203,7 +207,7 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
         choice = alloc.allocate(eff, budget_bits=budget_bits, max_damage=max_damage)
         if correct and budget_bits is not None and measure:
             choice, correction["size"] = alloc.target_size(
-                eff, lambda c: 8 * _measure_stored(_codes_tree(c)), budget_bits, max_damage=max_damage)
+                eff, lambda c: 8 * _measure_stored(_codes_tree(c), dev), budget_bits, max_damage=max_damage)
             if not correction["size"]["met"]:
                 raise BudgetError(f"bpw {bpw} is below the smallest stored allocation "
                                   f"({correction['size']['stored_bits'] / max(n_weights, 1):.3f} bits per weight)")
@@ -217,7 +221,7 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
                                                                 budget_bits=cap, max_evals=max_evals)
                 if cap is None or not measure:
                     break
-                stored = 8 * _measure_stored(_codes_tree(choice))
+                stored = 8 * _measure_stored(_codes_tree(choice), dev)
                 correction["size"]["stored_bits"], correction["size"]["met"] = stored, stored <= target
                 if stored <= target:
                     break
@@ -291,7 +295,7 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
     }
     if measure and entries:
         stored = _measure_stored({"tensors": {n: {k: e[k] for k in ("codes", "scales", "zeros")}
-                                              for n, e in cpu_entries.items()}})
+                                              for n, e in cpu_entries.items()}}, dev)
         report["bpw"] = stored * 8 / n_weights
     else:
         report["bpw"] = None
@@ -302,7 +306,7 @@ def export(src: Any, dst: str | os.PathLike, *, scheme: str | Mapping[str, str] 
     if format == "ckz":
         tree = {"format": FORMAT, "tensors": cpu_entries, "kept": kept, "report": _plain(report)}
         ckptzip.save(tree, dst, metadata={META_LOSSY: "1", META_SCHEME: scheme_label,
-                                          "ckptzip.lossy.format": FORMAT})
+                                          "ckptzip.lossy.format": FORMAT}, device=dev)
         report["dst_bytes"] = os.path.getsize(dst)
     else:
         from .ctensors import write_compressed_tensors
