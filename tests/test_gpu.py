@@ -607,3 +607,36 @@ def test_ans_on_words_rounds_odd_chunk_sizes(tmp_path, chunk):
     back = ckptzip.load(p)
     for k in st:
         assert same_bits(back[k], st[k]), k
+
+
+@pytest.mark.parametrize("codec", ["zstd", "deflate"])
+def test_damaged_chunk_of_a_gpu_zstd_or_deflate_file_is_verified_before_decoding(tmp_path, monkeypatch, codec):
+    """nvCOMP's Zstd decoder never returned on a chunk with one flipped bit (the load hung).
+    Only codecs whose decoders are bounded on any input (ANS) are decoded before their
+    checksums are verified; the chunks of other codecs are verified on the host first, so a
+    damaged one is a ChecksumError before it reaches the GPU decoder."""
+    from conftest import read_parts, write_parts
+    import ckptzip.engine.decode as dec
+    from ckptzip.kernels import triton_kernels
+    triton_kernels(wait=True)
+    g = torch.Generator().manual_seed(3)
+    st = {"a": torch.randn(3 << 20, generator=g).cuda(), "b": torch.randn(2 << 20, generator=g).to(torch.bfloat16).cuda()}
+    p = tmp_path / "z.ckz"
+    ckptzip.save(st, p, codec=codec, chunk_size=1 << 20)
+    asked = []
+    real = dec.read_stored
+
+    def spy(src, rows, pinned=False, gpu_hash=False):
+        asked.append(gpu_hash)
+        return real(src, rows, pinned=pinned, gpu_hash=gpu_hash)
+    monkeypatch.setattr(dec, "read_stored", spy)
+    back = ckptzip.load(p, map_location="cuda")
+    assert all(same_bits(back[k], st[k]) for k in st)
+    assert asked and not any(asked)
+    data, doc, rows = read_parts(p)
+    for k in (0, len(rows) // 2, len(rows) - 1):
+        off = int(rows[k]["offset"]) + int(rows[k]["stored"]) // 2
+        q = tmp_path / f"bad{k}.ckz"
+        write_parts(q, data[:off] + bytes([data[off] ^ 0x01]) + data[off + 1:], doc, rows)
+        with pytest.raises(ckptzip.ChecksumError):
+            ckptzip.load(q, map_location="cuda")

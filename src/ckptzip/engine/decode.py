@@ -171,7 +171,10 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                     return
                 slot = free.get()
                 rows = _cat_rows([job.rows[i:j] for job, i, j, _a, _b in grp])
-                gpu_hash = tk is not None and grp[0][0].codec.device == "cuda"
+                # chunks hashed on the GPU are decoded before they are verified: only for codecs
+                # whose decoders are bounded on any input (a damaged Zstd chunk hung nvCOMP)
+                gpu_hash = (tk is not None and grp[0][0].codec.device == "cuda"
+                            and all(job.codec.decodes_unverified for job, *_ in grp))
                 src = fd if grp[0][0].fd is None else grp[0][0].fd
                 host, soffs, later = read_stored(src, rows, pinned=gpu, gpu_hash=gpu_hash)
                 q.put((slot, host, soffs, rows, later, None))
