@@ -172,6 +172,21 @@ def test_native_copy_segments():
         finally:
             decode._PARALLEL_COPY = saved
         assert (got == want).all()
+    # adjacent chunks merge into one long run, which is cut into per-thread shares
+    lens2 = np.full(40, 1000, np.int64)
+    so2 = 7 + np.arange(40, dtype=np.int64) * 1000
+    do2 = 3 + np.arange(40, dtype=np.int64) * 1000
+    want2 = np.zeros(40_010, np.uint8)
+    want2[3:40_003] = src[7:40_007]
+    for threads in (1, 3):
+        got2 = np.zeros_like(want2)
+        saved = decode._PARALLEL_COPY, decode.cpu_threads
+        decode._PARALLEL_COPY, decode.cpu_threads = 0, (lambda: threads)
+        try:
+            decode._np_copy_segments(src, so2, got2, do2, lens2)
+        finally:
+            decode._PARALLEL_COPY, decode.cpu_threads = saved
+        assert (got2 == want2).all(), threads
     before = got.copy()
     with pytest.raises(ValueError):
         native.lib.copy_segments(src, got, np.array([0, 1 << 16], np.int64), np.array([0, 0], np.int64),

@@ -390,7 +390,17 @@ def _np_copy_segments(src: np.ndarray, soffs: np.ndarray, dst: np.ndarray, doffs
     lens = np.add.reduceat(lens, starts)
     soffs, doffs = soffs[starts], doffs[starts]
     if native.lib is not None:  # in C, without the GIL, split between the pool's threads
-        parts = runs(lens.tolist(), cpu_threads()) if int(lens.sum()) >= _PARALLEL_COPY else [range(len(lens))]
+        k = cpu_threads() if int(lens.sum()) >= _PARALLEL_COPY else 1
+        if k > 1:  # merged runs longer than a thread's share are cut into shares first
+            piece = -(-int(lens.sum()) // k)
+            cuts = -(-lens // piece)
+            if (cuts > 1).any():
+                idx = np.repeat(np.arange(len(lens)), cuts)
+                at = np.arange(len(idx)) - np.repeat(np.cumsum(cuts) - cuts, cuts)  # piece number in its run
+                off = at * piece
+                lens = np.minimum(lens[idx] - off, piece)
+                soffs, doffs = soffs[idx] + off, doffs[idx] + off
+        parts = runs(lens.tolist(), k) if k > 1 else [range(len(lens))]
         pmap(lambda r: native.lib.copy_segments(src, dst, *(np.ascontiguousarray(a[parts[r].start:parts[r].stop])
                                                             for a in (soffs, doffs, lens))), len(parts))
         return
