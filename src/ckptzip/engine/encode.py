@@ -57,9 +57,8 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
     dev = units[0].plan.codec.device
     # each unit starts 16-byte aligned in the group stream, so nvCOMP reads chunks in place
     total = sum(ceil_align(u.data.numel()) for u in units)
-    # a reference transform (xor/derived, format 1.1) first turns the unit into its residual, on
-    # the storage's device (one elementwise op per window)
-    # (on a GPU, ``xor`` / ``delta`` followed by ``byteplane`` is one fused kernel instead)
+    # on a GPU with the Triton kernels, each kind of chain is applied to all its units in one
+    # launch (multi[k]: the unit's segment; see transforms.refs.multi_segment)
     multi: list = [None] * len(units)
     here = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" else None  # the group stream's
     tk = None
@@ -75,7 +74,8 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
         return (fused_planes(u.plan.transform, u.plan.ref, u.start, u.data)
                 if here is not None and not u.resolved and u.data.numel() and u.data.device == here else None)
 
-    def residual(u: Unit, fz):  # a unit's data after its reference transform, unless fused
+    def residual(u: Unit, fz):  # a unit's data after its reference transform (xor, derived, ...:
+        # one elementwise op per window, on the storage's device), unless fused
         return (u.plan.ref.encode(u.data, start=u.start) if u.plan.ref is not None and not u.resolved
                 and u.data.numel() and fz is None else u.data)
 

@@ -127,8 +127,9 @@ def triton_kernels(wait: bool = False, start: bool = True):
 
 
 def enabled(family: str) -> bool:
-    """Whether the kernels of ``family`` (a name the callers choose: "fused", "multi") may still be
-    launched: False once one of them failed to compile (:func:`launch`)."""
+    """Whether the kernels of ``family`` (a name the callers choose: "fused", "encode_multi",
+    "decode_multi") may still be launched: False once one of them failed to compile
+    (:func:`launch`)."""
     return family not in _OFF
 
 
