@@ -164,13 +164,14 @@ def test_native_copy_segments():
     want = np.zeros(int(doffs[-1] + lens[-1]) + 8, np.uint8)
     for s, d, n in zip(soffs, doffs, lens):
         want[d:d + n] = src[s:s + n]
-    for parallel in (decode._PARALLEL_COPY, 0):  # one call, and split between threads
+    from ckptzip.codecs import cpu as ccpu
+    for parallel in (ccpu.PARALLEL_BYTES, 0):  # one call, and split between threads
         got = np.zeros_like(want)
-        saved, decode._PARALLEL_COPY = decode._PARALLEL_COPY, parallel
+        saved, ccpu.PARALLEL_BYTES = ccpu.PARALLEL_BYTES, parallel
         try:
             decode._np_copy_segments(src, soffs, got, doffs, lens)
         finally:
-            decode._PARALLEL_COPY = saved
+            ccpu.PARALLEL_BYTES = saved
         assert (got == want).all()
     # adjacent chunks merge into one long run, which is cut into per-thread shares
     lens2 = np.full(40, 1000, np.int64)
@@ -180,12 +181,12 @@ def test_native_copy_segments():
     want2[3:40_003] = src[7:40_007]
     for threads in (1, 3):
         got2 = np.zeros_like(want2)
-        saved = decode._PARALLEL_COPY, decode.cpu_threads
-        decode._PARALLEL_COPY, decode.cpu_threads = 0, (lambda: threads)
+        saved = ccpu.PARALLEL_BYTES, decode.cpu_threads
+        ccpu.PARALLEL_BYTES, decode.cpu_threads = 0, (lambda: threads)
         try:
             decode._np_copy_segments(src, so2, got2, do2, lens2)
         finally:
-            decode._PARALLEL_COPY, decode.cpu_threads = saved
+            ccpu.PARALLEL_BYTES, decode.cpu_threads = saved
         assert (got2 == want2).all(), threads
     before = got.copy()
     with pytest.raises(ValueError):

@@ -52,6 +52,11 @@ def pmap(fn: Callable[[int], Any], n: int) -> list[Any]:
     return list(_pool().map(fn, range(n)))
 
 
+#: CPU work on at least this many bytes is split between the pool's threads (byteplane passes,
+#: raw-chunk copies); smaller work runs on the caller's thread
+PARALLEL_BYTES = 4 << 20
+
+
 def runs(sizes: list[int], most: int) -> list[range]:
     """Consecutive index runs of ``sizes`` (at most ``most`` of them when there are more items),
     cut where the running total crosses equal shares of the sum."""

@@ -14,6 +14,7 @@ import torch
 
 from .. import native
 from ..codecs import _capi
+from ..codecs import cpu as ccpu
 from ..codecs.base import Codec, get_codec
 from ..codecs.cpu import cpu_threads, pmap, pmap_sized, runs
 from ..codecs.gpu import release_scratch
@@ -390,7 +391,7 @@ def _np_copy_segments(src: np.ndarray, soffs: np.ndarray, dst: np.ndarray, doffs
     lens = np.add.reduceat(lens, starts)
     soffs, doffs = soffs[starts], doffs[starts]
     if native.lib is not None:  # in C, without the GIL, split between the pool's threads
-        k = cpu_threads() if int(lens.sum()) >= _PARALLEL_COPY else 1
+        k = cpu_threads() if int(lens.sum()) >= ccpu.PARALLEL_BYTES else 1
         if k > 1:  # merged runs longer than a thread's share are cut into shares first
             piece = -(-int(lens.sum()) // k)
             cuts = -(-lens // piece)
@@ -406,10 +407,6 @@ def _np_copy_segments(src: np.ndarray, soffs: np.ndarray, dst: np.ndarray, doffs
         return
     for s, d, n in zip(soffs.tolist(), doffs.tolist(), lens.tolist()):
         dst[d:d + n] = src[s:s + n]
-
-
-#: raw chunk bytes from which a CPU group's copies are split between threads
-_PARALLEL_COPY = 4 << 20
 
 
 def _cpu_untransform(stream: torch.Tensor, grp: list, starts: list[int]) -> None:

@@ -133,8 +133,6 @@ class BytePlane(Transform):
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 #: words per step of the CPU loops: a step's temporaries stay in the L2 cache
 _STEP = 1 << 16
-#: inputs of at least this many bytes are split between the threads of the CPU codec pool
-_PARALLEL = 4 << 20
 
 
 def _np_steps(n: int, w: int, b: int) -> list[tuple[int, int, int, int]]:
@@ -150,26 +148,26 @@ def _np_steps(n: int, w: int, b: int) -> list[tuple[int, int, int, int]]:
 def _np_run(fn, steps: list, nbytes: int) -> None:
     """Run ``fn(steps)`` over the steps, split between threads for large inputs (numpy releases
     the GIL in its loops)."""
-    from ..codecs.cpu import pmap, cpu_threads
-    k = min(cpu_threads(), len(steps)) if nbytes >= _PARALLEL else 1
+    from ..codecs import cpu
+    k = min(cpu.cpu_threads(), len(steps)) if nbytes >= cpu.PARALLEL_BYTES else 1
     if k <= 1:
         fn(steps)
         return
     parts = [steps[i * len(steps) // k:(i + 1) * len(steps) // k] for i in range(k)]
-    pmap(lambda i: fn(parts[i]), k)
+    cpu.pmap(lambda i: fn(parts[i]), k)
 
 
 def _native_run(fn, nbytes: int, w: int, *args) -> None:
     """``fn(*args, w0, w1)`` (a :mod:`ckptzip._bpnative` function, which releases the GIL) over the
     words, split between the CPU pool's threads for large inputs."""
-    from ..codecs.cpu import pmap, cpu_threads
+    from ..codecs import cpu
     n = nbytes // w
-    k = min(cpu_threads(), n) if nbytes >= _PARALLEL else 1
+    k = min(cpu.cpu_threads(), n) if nbytes >= cpu.PARALLEL_BYTES else 1
     if k <= 1:
         fn(*args, 0, n)
         return
     cuts = [i * n // k for i in range(k + 1)]
-    pmap(lambda i: fn(*args, cuts[i], cuts[i + 1]), k)
+    cpu.pmap(lambda i: fn(*args, cuts[i], cuts[i + 1]), k)
 
 
 def _np_encode(src: np.ndarray, out: np.ndarray, w: int, b: int) -> None:
