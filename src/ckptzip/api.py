@@ -270,8 +270,10 @@ class CheckpointReader:
         if self.decode_device is None and out.device.type != "cuda" and self._gpu is None:
             self._gpu = gpu_ok()
         work = self.decode_device or ("cuda" if out.device.type == "cuda" or self._gpu else "cpu")
-        chains = self.manifest.chains
-        ref, tf, codec = storage_chain(s, work, self._chains, chains[i] if chains is not None else None)
+        chain = self.manifest.chains[i] if self.manifest.chains is not None else None
+        ref, tf, codec = storage_chain(s, work, self._chains, chain)
+        if not codec.safe_on_forged and self.decode_device is None:
+            ref, tf, codec = storage_chain(s, "cpu", self._chains, chain)  # (Codec.safe_on_forged)
         first, count = s["rows"]
         return Job(self.manifest.rows[first:first + count], tf, codec, out, ref)
 

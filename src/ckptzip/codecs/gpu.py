@@ -337,6 +337,7 @@ ANSGPU.capi, ZstdGPU.capi = "ANS", "Zstd"
 # ANS decodes exactly the declared symbols of each chunk (bounded work on any input: the GPU
 # tests decode damaged and forged ANS chunks); other GPU decoders see only verified chunks
 ANSGPU.decodes_unverified = True
+ZstdGPU.safe_on_forged = False  # (tests/test_gpu.py, test_forged_zstd_gpu_load_returns)
 # nvCOMP 6.0 Zstd compress scratch on an H100 (GetTempSize, MiB) is mostly fixed by the largest
 # chunk: 505 at 4 KiB, 619 at 16 KiB, 771 at 32 KiB, 1,074 at 64 KiB and more, plus a part per
 # chunk (1,178 for 1,024 chunks of 64 KiB, 2,739 of 1 MiB); each call costs 10-25 ms whatever

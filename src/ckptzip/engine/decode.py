@@ -154,7 +154,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
             size = it[4] - it[3]
     if not grouped:
         return
-    gpu = any(job.codec.device == "cuda" for job in jobs)
+    gpu = any(job.codec.device == "cuda" or job.out.device.type == "cuda" for job in jobs)
     # where the Triton kernels are ready, GPU groups' chunks of more than 240 bytes are hashed on
     # the GPU after their upload (the reader's threads then only read: hashing there contended
     # with this thread for the GIL), and verified before the group's decode results are
@@ -288,7 +288,11 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     starts = np.zeros(len(grp), dtype=np.int64)
     np.cumsum(-(-sizes[:-1] // ALIGN) * ALIGN, out=starts[1:])
     total = int(starts[-1] + sizes[-1])
-    stream = grp[0][0].out[grp[0][3]:grp[0][4]] if direct else torch.empty(total, dtype=torch.uint8, device=work)
+    if direct:
+        stream = grp[0][0].out[grp[0][3]:grp[0][4]]
+    else:  # (pinned where it goes to the GPU next: the copy is then asynchronous)
+        stream = torch.empty(total, dtype=torch.uint8, device=work,
+                             pin_memory=work == "cpu" and grp[0][0].out.device.type == "cuda")
     counts = np.asarray([j - i for _job, i, j, _a, _b in grp], dtype=np.int64)
     first = np.repeat(np.cumsum(counts) - counts, counts)  # each row's batch's first row
     within = np.cumsum(raws) - raws
@@ -311,9 +315,13 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
             codec.decode(src, cols[0], cols[1], stream, cols[2], cols[3])
     if direct:
         return
-    if work == "cpu" and all(job.out.device.type == "cpu" for job, *_ in grp):
-        _cpu_untransform(stream, grp, starts.tolist())
-        return
+    if work == "cpu":
+        outs = {job.out.device.type for job, *_ in grp}
+        if outs == {"cpu"}:
+            _cpu_untransform(stream, grp, starts.tolist())
+            return
+        if outs == {"cuda"}:  # chunks decoded on the host for the GPU: transforms undone there
+            stream, work = stream.to(grp[0][0].out.device, non_blocking=True), "cuda"
     todo = zip(grp, starts.tolist())
     if work == "cuda" and tk is not None and enabled("decode_multi"):
         todo = _untransform_multi(tk, stream, list(todo))
