@@ -68,3 +68,84 @@ def test_c_api_options_layout():
         with _capi.deferred_checks():
             pass
     _capi.check_decodes()
+
+
+def _zstd_case(seed: int = 0, n: int = 12):
+    import numpy as np
+    import zstandard
+    rng = np.random.default_rng(seed)
+    raws = [bytes(rng.integers(0, 4 + 60 * (k % 3), int(rng.integers(1, 5000)), dtype=np.uint8)) for k in range(n)]
+    cc = zstandard.ZstdCompressor(level=3, write_content_size=bool(seed % 2))
+    frames = [cc.compress(r) for r in raws]
+    return raws, frames
+
+
+def _native_zstd():
+    from ckptzip import native
+    if native.lib is None or not native.lib.zstd_version():
+        pytest.skip("no C extension or no system libzstd (python-zstandard decodes)")
+    return native.lib
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_native_zstd_decode_matches_python_zstandard(seed):
+    """The system-libzstd path (frames straight into their slots) decodes what the
+    python-zstandard path decodes, with and without declared content sizes, split into any
+    number of calls."""
+    import numpy as np
+    from ckptzip.codecs import cpu as ccpu
+    _native_zstd()
+    raws, frames = _zstd_case(seed)
+    src = torch.frombuffer(bytearray(b"".join(frames)), dtype=torch.uint8)
+    so = np.cumsum([0] + [len(f) for f in frames[:-1]]).tolist()
+    ds = [len(r) for r in raws]
+    do = np.cumsum([0] + [d + 5 for d in ds[:-1]]).tolist()  # gaps stay untouched
+    outs = []
+    for parallel in (0, 1 << 40):
+        dst = torch.zeros(do[-1] + ds[-1] + 3, dtype=torch.uint8)
+        saved, ccpu.PARALLEL_BYTES = ccpu.PARALLEL_BYTES, parallel
+        try:
+            ccpu.ZstdCPU().decode(src, so, [len(f) for f in frames], dst, do, ds)
+        finally:
+            ccpu.PARALLEL_BYTES = saved
+        outs.append(dst)
+    ref = torch.zeros_like(outs[0])
+    for o, d, r in zip(do, ds, raws):
+        ref[o:o + d] = torch.frombuffer(bytearray(r), dtype=torch.uint8)
+    for out in outs:
+        assert torch.equal(out, ref)
+
+
+def test_native_zstd_decode_refuses_bad_frames():
+    """Every failure is a message naming the problem (the codec raises CodecError), and
+    arguments outside the buffers are refused before anything is decoded."""
+    import numpy as np
+    import ckptzip
+    from ckptzip.codecs import cpu as ccpu
+    lib = _native_zstd()
+    raws, frames = _zstd_case(1, 2)
+    f0, r0 = frames[0], raws[0]
+    dst = np.zeros(1 << 14, np.uint8)
+
+    def run(data, want):
+        src = np.frombuffer(data, np.uint8) if data else np.zeros(1, np.uint8)
+        t = [np.asarray([v], np.int64) for v in (0, len(data), 0, want)]
+        return lib.zstd_decode(src, dst, *t)
+    assert run(f0, len(r0)) is None and bytes(dst[:len(r0)]) == r0
+    assert "declares" in run(f0, len(r0) - 1)  # content size declared (seed 1)
+    assert "not exactly one" in run(f0 + f0, len(r0))  # two frames in one chunk
+    assert "not exactly one" in run(f0 + b"\0\0", len(r0))  # trailing bytes
+    assert "not a zstd frame" in run(b"hello world, not zstd", 10)
+    assert run(f0[:len(f0) // 2], len(r0)) is not None  # truncated
+    g = _zstd_case(2, 1)  # no declared size: decodes to more / fewer than the slot
+    assert "does not decode" in run(g[1][0], len(g[0][0]) - 1)
+    assert "decodes to" in run(g[1][0], len(g[0][0]) + 1)
+    src = np.frombuffer(f0, np.uint8)
+    for bad in ([0, len(f0) + 1, 0, len(r0)], [-1, 5, 0, 5], [0, len(f0), len(dst) - 3, len(r0)], [0, len(f0), 0, -1]):
+        with pytest.raises(ValueError):
+            lib.zstd_decode(src, dst, *[np.asarray([v], np.int64) for v in bad])
+    with pytest.raises(ValueError):
+        lib.zstd_decode(src, dst, np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64))
+    with pytest.raises(ckptzip.CodecError, match="declares"):
+        ccpu.ZstdCPU().decode(torch.frombuffer(bytearray(f0), dtype=torch.uint8), [0], [len(f0)],
+                              torch.zeros(len(r0), dtype=torch.uint8), [0], [len(r0) - 1])

@@ -22,6 +22,13 @@
  *   copy_segments(src, dst, soffs, doffs, lens)
  *       dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]] for every i (int64 arrays), every
  *       segment checked against both buffers before anything is copied
+ *   zstd_decode(src, dst, soffs, ssizes, doffs, dsizes)
+ *       every chunk src[soffs[i]:+ssizes[i]], exactly one zstd frame, decoded into
+ *       dst[doffs[i]:+dsizes[i]] (int64 arrays) with the system's libzstd (dlopen'd, 1.4 or
+ *       later); a frame must decode to exactly dsizes[i] bytes (its declared content size, if
+ *       any, is checked first; the output can never exceed its slot). Returns None, or a message
+ *       naming the first chunk that failed. zstd_version(): libzstd's version number, or 0
+ *       where none was found (callers then use python-zstandard)
  *
  * Buffers are any contiguous objects with the buffer protocol (numpy arrays): sizes and word
  * ranges are checked here, so a wrong call is a Python exception, never a stray write.
@@ -31,6 +38,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include <dlfcn.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -488,6 +496,123 @@ done:
     return ret;
 }
 
+/* -- zstd frames through the system's libzstd ------------------------------------------------
+ * Loaded with dlopen on first use (no headers or link-time dependency: the prototypes below are
+ * libzstd's stable API since 1.3). Decoding one frame into a flat buffer of known capacity needs
+ * no window buffer: memory is one decoding context per call, whatever the frame header says. */
+typedef struct ZSTD_DCtx_s ZSTD_DCtx;
+static struct {
+    int tried;
+    unsigned version;
+    ZSTD_DCtx *(*create)(void);
+    size_t (*free_)(ZSTD_DCtx *);
+    size_t (*decompress)(ZSTD_DCtx *, void *, size_t, const void *, size_t);
+    unsigned (*is_error)(size_t);
+    const char *(*error_name)(size_t);
+    unsigned long long (*content_size)(const void *, size_t);
+    size_t (*frame_size)(const void *, size_t);
+} zs;
+
+#define ZSTD_MIN_VERSION 10400 /* 1.4.0 */
+
+static unsigned zstd_load(void) { /* called with the GIL held */
+    if (zs.tried) return zs.version;
+    zs.tried = 1;
+    void *h = dlopen("libzstd.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!h) return 0;
+    unsigned (*version)(void) = (unsigned (*)(void))dlsym(h, "ZSTD_versionNumber");
+    zs.create = (ZSTD_DCtx * (*)(void)) dlsym(h, "ZSTD_createDCtx");
+    zs.free_ = (size_t(*)(ZSTD_DCtx *))dlsym(h, "ZSTD_freeDCtx");
+    zs.decompress = (size_t(*)(ZSTD_DCtx *, void *, size_t, const void *, size_t))dlsym(h, "ZSTD_decompressDCtx");
+    zs.is_error = (unsigned (*)(size_t))dlsym(h, "ZSTD_isError");
+    zs.error_name = (const char *(*)(size_t))dlsym(h, "ZSTD_getErrorName");
+    zs.content_size = (unsigned long long (*)(const void *, size_t))dlsym(h, "ZSTD_getFrameContentSize");
+    zs.frame_size = (size_t(*)(const void *, size_t))dlsym(h, "ZSTD_findFrameCompressedSize");
+    if (!version || !zs.create || !zs.free_ || !zs.decompress || !zs.is_error || !zs.error_name ||
+        !zs.content_size || !zs.frame_size || version() < ZSTD_MIN_VERSION) {
+        dlclose(h);
+        return 0;
+    }
+    zs.version = version();
+    return zs.version;
+}
+
+static PyObject *py_zstd_version(PyObject *self, PyObject *args) {
+    (void)self; (void)args;
+    return PyLong_FromUnsignedLong(zstd_load());
+}
+
+#define ZSTD_UNKNOWN (0ULL - 1)
+
+static PyObject *py_zstd_decode(PyObject *self, PyObject *args) {
+    Py_buffer src = {0}, dst = {0}, tb[4] = {{0}};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*y*y*y*y*", &src, &dst, &tb[0], &tb[1], &tb[2], &tb[3])) return NULL;
+    PyObject *ret = NULL;
+    int64_t *t = NULL;
+    Py_ssize_t n = tb[0].len / 8;
+    if (!zstd_load()) {
+        PyErr_SetString(PyExc_RuntimeError, "libzstd.so.1 (1.4 or later) was not found");
+        goto done;
+    }
+    if (tb[0].len % 8 || tb[1].len != tb[0].len || tb[2].len != tb[0].len || tb[3].len != tb[0].len) {
+        PyErr_SetString(PyExc_ValueError, "offsets and sizes must be int64 arrays of one length");
+        goto done;
+    }
+    t = PyMem_Malloc((size_t)(4 * n + 1) * sizeof(int64_t)); /* checked is what is used */
+    if (!t) { PyErr_NoMemory(); goto done; }
+    for (int k = 0; k < 4; k++) memcpy(t + k * n, tb[k].buf, (size_t)tb[0].len);
+    const int64_t *so = t, *ss = t + n, *dof = t + 2 * n, *ds = t + 3 * n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (so[i] < 0 || ss[i] < 0 || dof[i] < 0 || ds[i] < 0 || so[i] > src.len - ss[i] ||
+            dof[i] > dst.len - ds[i]) {
+            PyErr_SetString(PyExc_ValueError, "chunk outside its buffer");
+            goto done;
+        }
+    }
+    {
+        char msg[200] = {0};
+        const char *sb = src.buf;
+        char *db = dst.buf;
+        Py_BEGIN_ALLOW_THREADS
+        ZSTD_DCtx *dc = zs.create();
+        if (!dc) snprintf(msg, sizeof msg, "zstd: no memory for a decoding context");
+        for (Py_ssize_t i = 0; dc && i < n && !msg[0]; i++) {
+            const char *in = sb + so[i];
+            size_t len = (size_t)ss[i], want = (size_t)ds[i];
+            unsigned long long declared = zs.content_size(in, len);
+            size_t fsz = zs.frame_size(in, len);
+            if (declared == ZSTD_UNKNOWN - 1 || zs.is_error(fsz)) {
+                snprintf(msg, sizeof msg, "zstd: chunk %zd is not a zstd frame", i);
+            } else if (declared != ZSTD_UNKNOWN && declared != (unsigned long long)want) {
+                snprintf(msg, sizeof msg, "zstd: frame declares %llu bytes, the chunk table %zu", declared, want);
+            } else if (fsz != len) {
+                snprintf(msg, sizeof msg, "zstd: chunk %zd is not exactly one zstd frame", i);
+            } else {
+                size_t got = zs.decompress(dc, db + dof[i], want, in, len);
+                if (zs.is_error(got))
+                    snprintf(msg, sizeof msg, "zstd: chunk %zd does not decode: %s", i, zs.error_name(got));
+                else if (got != want)
+                    snprintf(msg, sizeof msg, "zstd: chunk %zd decodes to %zu bytes, the chunk table %zu", i, got, want);
+            }
+        }
+        if (dc) zs.free_(dc);
+        Py_END_ALLOW_THREADS
+        if (msg[0]) {
+            ret = PyUnicode_FromString(msg);
+            goto done;
+        }
+    }
+    Py_INCREF(Py_None);
+    ret = Py_None;
+done:
+    PyMem_Free(t);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    for (int k = 0; k < 4; k++) PyBuffer_Release(&tb[k]);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"exp_grid", py_exp_grid, METH_VARARGS, "exp_grid(src, out, r, c, w0, sign): expgrid's residual / inverse"},
     {"exp_ref", py_exp_ref, METH_VARARGS, "exp_ref(src, out, ref, sign): expref's residual / inverse"},
@@ -500,6 +625,9 @@ static PyMethodDef methods[] = {
     {"decode_onto", py_decode_onto, METH_VARARGS,
      "decode_onto(src, dst, ref, width, block, fold, w0, w1): decode, then xor (fold 1) or add the "
      "sign-folded difference (fold 2) onto ref"},
+    {"zstd_decode", py_zstd_decode, METH_VARARGS,
+     "zstd_decode(src, dst, soffs, ssizes, doffs, dsizes): zstd frames into their slots; None or an error message"},
+    {"zstd_version", py_zstd_version, METH_NOARGS, "libzstd's version number, or 0 where none was found"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bpnative",
@@ -507,7 +635,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bpnative",
                                     NULL, NULL, NULL, NULL};
 
 /* what ckptzip.native checks: a build of another version of this file is not used */
-#define BPNATIVE_API 2
+#define BPNATIVE_API 3
 
 PyMODINIT_FUNC PyInit__bpnative(void) {
     PyObject *m = PyModule_Create(&module);
