@@ -4,4 +4,4 @@ ckptzip uses its numpy version of the same transform (same bytes, about 3x slowe
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("ckptzip._bpnative", ["src/ckptzip/_bpnative.c"], optional=True,
-                             extra_compile_args=["-O3"], libraries=["m", "dl"])])
+                             extra_compile_args=["-O3"], libraries=["m", "dl", "pthread"])])

@@ -1,4 +1,5 @@
 """The byteplane transform's own properties (its conformance is in test_conformance.py)."""
+import os
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -258,3 +259,62 @@ def test_native_plane_entropies_match_numpy():
     native.lib.plane_entropy(np.arange(64, dtype=np.uint8), bits, 4, np.array([0, 8], np.int64), 8)
     assert bits[0] == 4.0  # 16 distinct low bytes (rotated), equally often
     _ = rng
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3 << 20), min_size=1, max_size=12), piece=st.sampled_from([4096, 1 << 20, 4 << 20]),
+       threads=st.integers(1, 9))
+def test_native_pread_ranges(tmp_path_factory, sizes, piece, threads):
+    """Ranges read by threads in C (``pread_ranges``, any piece size and thread count) land
+    where the Python reads put them; gaps in the buffer stay untouched."""
+    import numpy as np
+    from ckptzip import native, storage
+    if native.lib is None:
+        return
+    p = tmp_path_factory.mktemp("pr") / "f.bin"
+    data = np.random.default_rng(len(sizes)).integers(0, 256, sum(sizes) + 100, dtype=np.uint8)
+    p.write_bytes(data.tobytes())
+    fo = np.cumsum([0] + sizes[:-1]) + 7
+    bo = np.cumsum([0] + [s + 3 for s in sizes[:-1]])
+    buf = np.full(int(bo[-1] + sizes[-1] + 5), 0xAA, np.uint8)
+    want = buf.copy()
+    for f, b, n in zip(fo, bo, sizes):
+        want[b:b + n] = data[f:f + n]
+    saved = storage.NATIVE_PIECE, storage.READ_THREADS
+    storage.NATIVE_PIECE, storage.READ_THREADS = piece, threads
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        storage.pread_ranges(fd, buf, fo, bo, sizes)
+    finally:
+        os.close(fd)
+        storage.NATIVE_PIECE, storage.READ_THREADS = saved
+    assert (buf == want).all()
+
+
+def test_native_pread_many_refuses_and_reports(tmp_path):
+    """A range past the file's end is where the file ended (TruncatedFileError from
+    pread_ranges); a range outside the buffer is refused before any read; a bad descriptor is
+    an OSError."""
+    import numpy as np
+    import pytest
+    import ckptzip
+    from ckptzip import native, storage
+    if native.lib is None:
+        return
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(256)) * 64)  # 16 KiB
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        buf = np.zeros(1 << 16, np.uint8)
+        a = lambda *v: np.asarray(v, np.int64)  # noqa: E731
+        assert native.lib.pread_many(fd, buf, a(0, 8192), a(0, 8192), a(8192, 8192), 4) is None
+        assert native.lib.pread_many(fd, buf, a(0, 12000), a(0, 20000), a(100, 8192), 3) == 16384
+        with pytest.raises(ckptzip.TruncatedFileError):
+            storage.pread_ranges(fd, buf, [10000], [0], [10000])
+        for bad in ((a(0), a(1 << 16), a(1)), (a(-1), a(0), a(1)), (a(0), a(0), a(-1)), (a(0), a(0, 1), a(1))):
+            with pytest.raises(ValueError):
+                native.lib.pread_many(fd, buf, *bad, 2)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):
+        native.lib.pread_many(fd, buf, a(0), a(0), a(10), 2)  # closed descriptor

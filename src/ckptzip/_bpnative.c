@@ -30,6 +30,13 @@
  *       naming the first chunk that failed. zstd_version(): libzstd's version number, or 0
  *       where none was found (callers then use python-zstandard)
  *
+ *   pread_many(fd, buf, foffs, boffs, lens, threads)
+ *       buf[boffs[i]:+lens[i]] = the file's bytes at foffs[i] (int64 arrays) for every i, by
+ *       `threads` POSIX threads taking the ranges in turn, without the GIL for the whole call
+ *       (Python read threads each needed the GIL back after every read, which the caller's
+ *       thread held while it decoded). Returns None, or the file offset where the file ended
+ *       before a range did; an I/O error is an OSError
+ *
  * Buffers are any contiguous objects with the buffer protocol (numpy arrays): sizes and word
  * ranges are checked here, so a wrong call is a Python exception, never a stray write.
  */
@@ -39,6 +46,9 @@
 #include <string.h>
 #include <math.h>
 #include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <unistd.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -613,6 +623,100 @@ done:
     return ret;
 }
 
+/* -- parallel reads ------------------------------------------------------------------------- */
+typedef struct {
+    int fd;
+    char *buf;
+    const int64_t *fo, *bo, *ln;
+    Py_ssize_t n;
+    Py_ssize_t next;     /* the next range to take (atomic) */
+    int err;             /* first errno seen, or 0 (atomic) */
+    int64_t short_at;    /* file offset where the file ended inside a range, or -1 (atomic min) */
+} reads_t;
+
+static void *read_worker(void *arg) {
+    reads_t *r = arg;
+    for (;;) {
+        Py_ssize_t i = __atomic_fetch_add(&r->next, 1, __ATOMIC_RELAXED);
+        if (i >= r->n || __atomic_load_n(&r->err, __ATOMIC_RELAXED) ||
+            __atomic_load_n(&r->short_at, __ATOMIC_RELAXED) >= 0)
+            return NULL;
+        int64_t got = 0, len = r->ln[i];
+        while (got < len) {
+            ssize_t k = pread(r->fd, r->buf + r->bo[i] + got, (size_t)(len - got), (off_t)(r->fo[i] + got));
+            if (k < 0 && errno == EINTR) continue;
+            if (k < 0) {
+                int e = errno, zero = 0;
+                __atomic_compare_exchange_n(&r->err, &zero, e ? e : EIO, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+                return NULL;
+            }
+            if (k == 0) {
+                int64_t at = r->fo[i] + got, cur = -1;
+                while (!__atomic_compare_exchange_n(&r->short_at, &cur, at, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+                    if (cur >= 0 && cur <= at) break;
+                return NULL;
+            }
+            got += k;
+        }
+    }
+}
+
+#define MAX_READ_THREADS 64
+
+static PyObject *py_pread_many(PyObject *self, PyObject *args) {
+    int fd, threads;
+    Py_buffer buf = {0}, tb[3] = {{0}};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iw*y*y*y*i", &fd, &buf, &tb[0], &tb[1], &tb[2], &threads)) return NULL;
+    PyObject *ret = NULL;
+    int64_t *t = NULL;
+    Py_ssize_t n = tb[0].len / 8;
+    if (tb[0].len % 8 || tb[1].len != tb[0].len || tb[2].len != tb[0].len) {
+        PyErr_SetString(PyExc_ValueError, "offsets and lengths must be int64 arrays of one length");
+        goto done;
+    }
+    t = PyMem_Malloc((size_t)(3 * n + 1) * sizeof(int64_t)); /* checked is what is used */
+    if (!t) { PyErr_NoMemory(); goto done; }
+    for (int k = 0; k < 3; k++) memcpy(t + k * n, tb[k].buf, (size_t)tb[0].len);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (t[i] < 0 || t[n + i] < 0 || t[2 * n + i] < 0 || t[n + i] > buf.len - t[2 * n + i] ||
+            t[i] > INT64_MAX - t[2 * n + i]) {
+            PyErr_SetString(PyExc_ValueError, "range outside its buffer");
+            goto done;
+        }
+    }
+    if (threads < 1) threads = 1;
+    if (threads > MAX_READ_THREADS) threads = MAX_READ_THREADS;
+    if (threads > n) threads = (int)(n ? n : 1);
+    {
+        reads_t r = {fd, buf.buf, t, t + n, t + 2 * n, n, 0, 0, -1};
+        pthread_t th[MAX_READ_THREADS];
+        int started = 0;
+        Py_BEGIN_ALLOW_THREADS
+        for (int k = 1; k < threads; k++)
+            if (pthread_create(&th[started], NULL, read_worker, &r) == 0) started++;
+        read_worker(&r); /* this thread reads too; ranges left by threads that failed to start are taken here */
+        for (int k = 0; k < started; k++) pthread_join(th[k], NULL);
+        Py_END_ALLOW_THREADS
+        if (r.err) {
+            errno = r.err;
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+        if (r.short_at >= 0) {
+            ret = PyLong_FromLongLong(r.short_at);
+            goto done;
+        }
+    }
+    Py_INCREF(Py_None);
+    ret = Py_None;
+done:
+    PyMem_Free(t);
+    PyBuffer_Release(&buf);
+    for (int k = 0; k < 3; k++) PyBuffer_Release(&tb[k]);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"exp_grid", py_exp_grid, METH_VARARGS, "exp_grid(src, out, r, c, w0, sign): expgrid's residual / inverse"},
     {"exp_ref", py_exp_ref, METH_VARARGS, "exp_ref(src, out, ref, sign): expref's residual / inverse"},
@@ -627,6 +731,8 @@ static PyMethodDef methods[] = {
      "sign-folded difference (fold 2) onto ref"},
     {"zstd_decode", py_zstd_decode, METH_VARARGS,
      "zstd_decode(src, dst, soffs, ssizes, doffs, dsizes): zstd frames into their slots; None or an error message"},
+    {"pread_many", py_pread_many, METH_VARARGS,
+     "pread_many(fd, buf, foffs, boffs, lens, threads): file ranges into buf by POSIX threads; None or where the file ended"},
     {"zstd_version", py_zstd_version, METH_NOARGS, "libzstd's version number, or 0 where none was found"},
     {NULL, NULL, 0, NULL}};
 
@@ -635,7 +741,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bpnative",
                                     NULL, NULL, NULL, NULL};
 
 /* what ckptzip.native checks: a build of another version of this file is not used */
-#define BPNATIVE_API 3
+#define BPNATIVE_API 4
 
 PyMODINIT_FUNC PyInit__bpnative(void) {
     PyObject *m = PyModule_Create(&module);

@@ -131,9 +131,11 @@ def _unlink_quietly(path: str) -> None:
 _READ_POOL = None
 _READ_POOL_LOCK = threading.Lock()
 _PARALLEL_PIECE = 16 << 20
-#: threads for large local reads (and the reader's checksums): NVMe drives and the page cache
-#: both want several requests in flight
-READ_THREADS = int(os.environ.get("CKPTZIP_READ_THREADS", str(max(1, min(8, os.cpu_count() or 1)))))
+#: threads for large local reads (POSIX threads of :func:`pread_ranges`; the read pool where the
+#: C extension is missing) and the reader's host checksums: NVMe drives and the page cache both
+#: want several requests in flight (tmpfs on the H100 machine: 16 threads read 37 GB/s; loads
+#: with 16 C threads 0.083-0.085 s against 0.099 with 8, docs/benchmarks.md)
+READ_THREADS = int(os.environ.get("CKPTZIP_READ_THREADS", str(max(1, min(16, os.cpu_count() or 1)))))
 #: bytes of the file after a batch that the kernel is asked to start reading (POSIX_FADV_WILLNEED):
 #: a cold disk keeps reading while the batch is decoded
 READAHEAD = 256 << 20
@@ -167,14 +169,46 @@ def will_need(fd, offset: int, length: int = READAHEAD) -> None:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
 
 
+#: the pieces :func:`pread_ranges` cuts ranges into (work for its threads to take in turn)
+NATIVE_PIECE = 4 << 20
+
+
+def pread_ranges(fd: int, buf, foffs, boffs, lens) -> None:
+    """``buf[boffs[i]:+lens[i]]`` = the bytes of the local file ``fd`` at ``foffs[i]``, for
+    every i, by ``READ_THREADS`` threads in C without the GIL (``ckptzip._bpnative``: Python
+    read threads each needed the GIL back after every read while the caller's thread held it),
+    in pieces of at most 4 MiB; or by the read pool where the extension is missing. Raises
+    TruncatedFileError where the file ends inside a range."""
+    import numpy as np
+    from . import native
+    fo, bo, ln = (np.asarray(x, dtype=np.int64) for x in (foffs, boffs, lens))
+    if native.lib is None:
+        b = memoryview(buf).cast("B")
+        run_all([read_pool().submit(pread_exact, fd, b[o:o + k], f) for f, o, k in zip(fo.tolist(), bo.tolist(), ln.tolist())])
+        return
+    cnt = np.maximum(1, -(-ln // NATIVE_PIECE))
+    if len(cnt) and int(cnt.max()) > 1:  # cut long ranges into pieces
+        first = np.repeat(np.cumsum(cnt) - cnt, cnt)
+        within = (np.arange(int(cnt.sum()), dtype=np.int64) - first) * NATIVE_PIECE
+        rl = np.repeat(ln, cnt)
+        fo, bo, ln = np.repeat(fo, cnt) + within, np.repeat(bo, cnt) + within, np.minimum(rl - within, NATIVE_PIECE)
+    at = native.lib.pread_many(fd, buf, fo, bo, ln, READ_THREADS)
+    if at is not None:
+        raise TruncatedFileError(f"file ends inside a declared range at offset {at}")
+
+
 def pread_into(fd, buf: memoryview, offset: int) -> None:
     """Fill ``buf`` from ``offset`` of ``fd`` (an OS file descriptor or a :class:`RemoteSource`)
-    or raise TruncatedFileError. Large local reads are split into 16 MiB pieces read by four
-    threads (NVMe drives want several requests in flight)."""
+    or raise TruncatedFileError. Large local reads are split into pieces read by
+    ``READ_THREADS`` threads (NVMe drives want several requests in flight)."""
     if not isinstance(fd, int):
         return fd.pread_into(buf, offset)
     n = len(buf)
     if n >= 4 * _PARALLEL_PIECE and READ_THREADS > 1:
+        from . import native
+        if native.lib is not None:
+            pread_ranges(fd, buf, [offset], [0], [n])
+            return
         run_all([read_pool().submit(pread_exact, fd, buf[a:a + _PARALLEL_PIECE], offset + a)
                  for a in range(0, n, _PARALLEL_PIECE)])
         return

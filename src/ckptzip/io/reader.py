@@ -11,7 +11,8 @@ from ..engine.memory import ALIGN, PINNED, ceil_align
 from ..errors import ChecksumError
 from ..format import checksum
 from ..kernels import HASH_MIN
-from ..storage import READ_THREADS, pread_exact, pread_into, read_pool, run_all, will_need
+from .. import native
+from ..storage import READ_THREADS, pread_exact, pread_into, pread_ranges, read_pool, run_all, will_need
 
 
 def read_stored(fd: int, batch: np.ndarray, pinned: bool = False, gpu_hash: bool = False
@@ -54,7 +55,14 @@ def _read_into(fd, batch: np.ndarray, buf: torch.Tensor, fo: np.ndarray, offs: n
     # (per chunk, Python lists and memoryview slices: numpy scalars cost several times more,
     # which counts for files of 16 KiB chunks)
     mv, ol, sl, hl = memoryview(b), offs.tolist(), stored.tolist(), host.tolist()
-    if isinstance(fd, int) and n > 1 and READ_THREADS > 1 and total >= _PARALLEL_MIN:
+    if isinstance(fd, int) and READ_THREADS > 1 and total >= _PARALLEL_MIN and native.lib is not None:
+        # local file: every range read by threads in C, then the host's checksums
+        if one_read:
+            pread_ranges(fd, b, fo[:1], [0], [int(offs[-1] + stored[-1])])
+        else:
+            pread_ranges(fd, b, fo, offs, stored)
+        sums = checksums(b, offs, stored, host) if host.any() else [None] * n
+    elif isinstance(fd, int) and n > 1 and READ_THREADS > 1 and total >= _PARALLEL_MIN:
         # local file: the chunks in contiguous parts, each read and checksummed by one thread
         # of the pool while its bytes are still in the CPU's cache
         ends = np.cumsum(stored)
