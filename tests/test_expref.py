@@ -511,3 +511,35 @@ def test_level_break_survives_an_empty_first_storage(tmp_path, monkeypatch):
     back = ckptzip.load(q)
     assert torch.equal(back["m"].view(torch.int32), m.view(torch.int32))
     assert all(not ("ExpRef" in gs and "plain" in gs) for gs in grouped), grouped
+
+
+def test_sync_save_reuses_plans_only_when_asked(tmp_path, monkeypatch):
+    """ckptzip.save samples every time unless ``reuse_plan=True``; the manager's synchronous
+    saves reuse (as async saves do). Every file loads bit-exact."""
+    from ckptzip.engine import planner
+    calls = []
+    real = planner.Planner._plan_all
+
+    def spy(self, *a, **k):
+        calls.append(1)
+        return real(self, *a, **k)
+    monkeypatch.setattr(planner.Planner, "_plan_all", spy)
+    planner._PLAN_CACHE.clear()
+    st_ = grid_state(seed=4)
+    for i in range(2):
+        ckptzip.save(st_, tmp_path / f"plain{i}.ckz")
+    assert len(calls) == 2
+    for i in range(2):
+        ckptzip.save(st_, tmp_path / f"reuse{i}.ckz", reuse_plan=True)
+    assert len(calls) == 3  # the first reusing save samples and fills the cache
+    for i in range(2):
+        assert_same(ckptzip.load(tmp_path / f"reuse{i}.ckz"), st_)
+    mgr = ckptzip.CheckpointManager(tmp_path / "run")
+    for step in range(2):
+        for s in st_["optimizer"]["state"].values():
+            s["exp_avg_sq"].mul_(0.9)
+        mgr.save(step, st_)
+    assert len(calls) == 3
+    back = mgr.load()
+    for k, s in st_["optimizer"]["state"].items():
+        assert torch.equal(back["optimizer"]["state"][k]["exp_avg_sq"], s["exp_avg_sq"])

@@ -152,7 +152,8 @@ class CheckpointManager:
 
     Other keyword arguments (``codec``, ``level``, ``chunk_size``, ...) go to every
     :func:`ckptzip.save` / :func:`ckptzip.async_save` (to :class:`ckptzip.dcp.Writer` in
-    distributed mode).
+    distributed mode); synchronous saves, too, reuse the choices sampled for the same layout
+    (``reuse_plan=True`` unless given).
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int | None = 3,
@@ -243,7 +244,7 @@ class CheckpointManager:
             handle._start(finish, "ckptzip-commit")  # completed at interpreter exit, too
             self._pending = handle
             return handle
-        res = save(state, path, **opts)
+        res = save(state, path, **{"reuse_plan": True, **opts})  # (as async saves do)
         self._commit(step, res)
         return res
 
