@@ -130,8 +130,16 @@ def test_native_zstd_decode_refuses_bad_frames():
     def run(data, want):
         src = np.frombuffer(data, np.uint8) if data else np.zeros(1, np.uint8)
         t = [np.asarray([v], np.int64) for v in (0, len(data), 0, want)]
-        return lib.zstd_decode(src, dst, *t)
+        got = lib.zstd_decode(src, dst, *t)
+        if got is None:
+            return None
+        assert got[0] == 0  # (index of the failing chunk, message)
+        return got[1]
     assert run(f0, len(r0)) is None and bytes(dst[:len(r0)]) == r0
+    import struct
+    assert "not a zstd frame" in run(struct.pack("<I", 0xFD2FB525) + bytes(4), 0)  # legacy v0.5 magic
+    assert "not a zstd frame" in run(struct.pack("<II", 0x184D2A50, 4) + b"junk", 0)  # skippable frame
+    assert "not a zstd frame" in run(b"\x28\xb5", 0)
     assert "declares" in run(f0, len(r0) - 1)  # content size declared (seed 1)
     assert "not exactly one" in run(f0 + f0, len(r0))  # two frames in one chunk
     assert "not exactly one" in run(f0 + b"\0\0", len(r0))  # trailing bytes
@@ -146,6 +154,20 @@ def test_native_zstd_decode_refuses_bad_frames():
             lib.zstd_decode(src, dst, *[np.asarray([v], np.int64) for v in bad])
     with pytest.raises(ValueError):
         lib.zstd_decode(src, dst, np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64))
+    both = np.zeros(1 << 14, np.uint8)
+    with pytest.raises(ValueError, match="overlap"):
+        lib.zstd_decode(both[:100], both[50:], *[np.asarray([v], np.int64) for v in (0, 10, 0, 10)])
+    # the index in the message counts from the whole call's first chunk
+    frames2 = [f0, f0, f0]
+    src3 = torch.frombuffer(bytearray(b"".join(frames2)), dtype=torch.uint8)
+    saved, ccpu.PARALLEL_BYTES = ccpu.PARALLEL_BYTES, 0  # (split into runs: chunk 2 is not first of its run's call)
+    try:
+        with pytest.raises(ckptzip.CodecError, match="zstd: chunk 2 declares"):
+            ccpu.ZstdCPU().decode(src3, [0, len(f0), 2 * len(f0)], [len(f0)] * 3,
+                                  torch.zeros(3 * len(r0), dtype=torch.uint8), [0, len(r0), 2 * len(r0)],
+                                  [len(r0), len(r0), len(r0) - 1])
+    finally:
+        ccpu.PARALLEL_BYTES = saved
     with pytest.raises(ckptzip.CodecError, match="declares"):
         ccpu.ZstdCPU().decode(torch.frombuffer(bytearray(f0), dtype=torch.uint8), [0], [len(f0)],
                               torch.zeros(len(r0), dtype=torch.uint8), [0], [len(r0) - 1])

@@ -26,16 +26,17 @@
  *       every chunk src[soffs[i]:+ssizes[i]], exactly one zstd frame, decoded into
  *       dst[doffs[i]:+dsizes[i]] (int64 arrays) with the system's libzstd (dlopen'd, 1.4 or
  *       later); a frame must decode to exactly dsizes[i] bytes (its declared content size, if
- *       any, is checked first; the output can never exceed its slot). Returns None, or a message
- *       naming the first chunk that failed. zstd_version(): libzstd's version number, or 0
+ *       any, is checked first; the output can never exceed its slot; legacy and skippable frames
+ *       are refused by their magic number). Returns None, or (index, message) of the first chunk
+ *       that failed; src and dst must not overlap. zstd_version(): libzstd's version number, or 0
  *       where none was found (callers then use python-zstandard)
  *
  *   pread_many(fd, buf, foffs, boffs, lens, threads)
  *       buf[boffs[i]:+lens[i]] = the file's bytes at foffs[i] (int64 arrays) for every i, by
  *       `threads` POSIX threads taking the ranges in turn, without the GIL for the whole call
  *       (Python read threads each needed the GIL back after every read, which the caller's
- *       thread held while it decoded). Returns None, or the file offset where the file ended
- *       before a range did; an I/O error is an OSError
+ *       thread held while it decoded). Returns None, or an offset at or past the file's end
+ *       that a range reached (reads stop at the first short range); an I/O error is an OSError
  *
  * Buffers are any contiguous objects with the buffer protocol (numpy arrays): sizes and word
  * ranges are checked here, so a wrong call is a Python exception, never a stray write.
@@ -569,6 +570,10 @@ static PyObject *py_zstd_decode(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "offsets and sizes must be int64 arrays of one length");
         goto done;
     }
+    if ((const char *)src.buf < (const char *)dst.buf + dst.len && (const char *)dst.buf < (const char *)src.buf + src.len) {
+        PyErr_SetString(PyExc_ValueError, "zstd_decode: source and destination buffers overlap");
+        goto done;
+    }
     t = PyMem_Malloc((size_t)(4 * n + 1) * sizeof(int64_t)); /* checked is what is used */
     if (!t) { PyErr_NoMemory(); goto done; }
     for (int k = 0; k < 4; k++) memcpy(t + k * n, tb[k].buf, (size_t)tb[0].len);
@@ -582,34 +587,40 @@ static PyObject *py_zstd_decode(PyObject *self, PyObject *args) {
     }
     {
         char msg[200] = {0};
+        Py_ssize_t bad = -1;
         const char *sb = src.buf;
         char *db = dst.buf;
         Py_BEGIN_ALLOW_THREADS
         ZSTD_DCtx *dc = zs.create();
-        if (!dc) snprintf(msg, sizeof msg, "zstd: no memory for a decoding context");
+        if (!dc) snprintf(msg, sizeof msg, "no memory for a decoding context");
         for (Py_ssize_t i = 0; dc && i < n && !msg[0]; i++) {
             const char *in = sb + so[i];
             size_t len = (size_t)ss[i], want = (size_t)ds[i];
-            unsigned long long declared = zs.content_size(in, len);
-            size_t fsz = zs.frame_size(in, len);
-            if (declared == ZSTD_UNKNOWN - 1 || zs.is_error(fsz)) {
-                snprintf(msg, sizeof msg, "zstd: chunk %zd is not a zstd frame", i);
+            /* a standard frame's magic first: libzstd also decodes legacy (v0.5, v0.6) and
+             * skippable frames, which are not this format's chunks */
+            int magic = len >= 4 && (unsigned char)in[0] == 0x28 && (unsigned char)in[1] == 0xB5 &&
+                        (unsigned char)in[2] == 0x2F && (unsigned char)in[3] == 0xFD;
+            unsigned long long declared = magic ? zs.content_size(in, len) : ZSTD_UNKNOWN - 1;
+            size_t fsz = magic ? zs.frame_size(in, len) : 0;
+            if (!magic || declared == ZSTD_UNKNOWN - 1 || zs.is_error(fsz)) {
+                snprintf(msg, sizeof msg, "is not a zstd frame");
             } else if (declared != ZSTD_UNKNOWN && declared != (unsigned long long)want) {
-                snprintf(msg, sizeof msg, "zstd: frame declares %llu bytes, the chunk table %zu", declared, want);
+                snprintf(msg, sizeof msg, "declares %llu bytes, the chunk table %zu", declared, want);
             } else if (fsz != len) {
-                snprintf(msg, sizeof msg, "zstd: chunk %zd is not exactly one zstd frame", i);
+                snprintf(msg, sizeof msg, "is not exactly one zstd frame");
             } else {
                 size_t got = zs.decompress(dc, db + dof[i], want, in, len);
                 if (zs.is_error(got))
-                    snprintf(msg, sizeof msg, "zstd: chunk %zd does not decode: %s", i, zs.error_name(got));
+                    snprintf(msg, sizeof msg, "does not decode: %s", zs.error_name(got));
                 else if (got != want)
-                    snprintf(msg, sizeof msg, "zstd: chunk %zd decodes to %zu bytes, the chunk table %zu", i, got, want);
+                    snprintf(msg, sizeof msg, "decodes to %zu bytes, the chunk table %zu", got, want);
             }
+            if (msg[0]) bad = i;
         }
         if (dc) zs.free_(dc);
         Py_END_ALLOW_THREADS
         if (msg[0]) {
-            ret = PyUnicode_FromString(msg);
+            ret = Py_BuildValue("(ns)", bad, msg);
             goto done;
         }
     }
@@ -730,7 +741,7 @@ static PyMethodDef methods[] = {
      "decode_onto(src, dst, ref, width, block, fold, w0, w1): decode, then xor (fold 1) or add the "
      "sign-folded difference (fold 2) onto ref"},
     {"zstd_decode", py_zstd_decode, METH_VARARGS,
-     "zstd_decode(src, dst, soffs, ssizes, doffs, dsizes): zstd frames into their slots; None or an error message"},
+     "zstd_decode(src, dst, soffs, ssizes, doffs, dsizes): zstd frames into their slots; None or (index, message)"},
     {"pread_many", py_pread_many, METH_VARARGS,
      "pread_many(fd, buf, foffs, boffs, lens, threads): file ranges into buf by POSIX threads; None or where the file ended"},
     {"zstd_version", py_zstd_version, METH_NOARGS, "libzstd's version number, or 0 where none was found"},

@@ -194,7 +194,7 @@ def pread_ranges(fd: int, buf, foffs, boffs, lens) -> None:
         fo, bo, ln = np.repeat(fo, cnt) + within, np.repeat(bo, cnt) + within, np.minimum(rl - within, NATIVE_PIECE)
     at = native.lib.pread_many(fd, buf, fo, bo, ln, READ_THREADS)
     if at is not None:
-        raise TruncatedFileError(f"file ends inside a declared range at offset {at}")
+        raise TruncatedFileError(f"file ends inside a declared range (at or before offset {at})")
 
 
 def pread_into(fd, buf: memoryview, offset: int) -> None:

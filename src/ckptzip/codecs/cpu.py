@@ -241,9 +241,9 @@ class ZstdCPU(_ByteCodec):
         cols = [np.asarray(c, dtype=np.int64) for c in (src_offsets, src_sizes, dst_offsets, dst_sizes)]
         rs = runs(cols[3].tolist(), cpu_threads()) if sum(dst_sizes) >= PARALLEL_BYTES else [range(len(dst_sizes))]
         errs = pmap(lambda k: native.lib.zstd_decode(a, d, *(c[rs[k].start:rs[k].stop] for c in cols)), len(rs))
-        for e in errs:
+        for r, e in zip(rs, errs):
             if e is not None:
-                raise CodecError(e)
+                raise CodecError(f"zstd: chunk {r.start + e[0]} {e[1]}")
 
     def _compress(self, data):
         return self._cctx().compress(data)
