@@ -2,7 +2,8 @@
 AdamW state, fp32, and a bf16 copy of the same state), then, side by side in one run and on the
 same state and cores:
 
-* ckptzip.save to a file on disk (fsync'd) and ckptzip.load, MB/s of raw tensor bytes;
+* ckptzip.save to a file on disk (fsync'd; also with ``reuse_plan=True``, as a training loop's
+  repeated saves and the manager run) and ckptzip.load, MB/s of raw tensor bytes;
 * ckptzip in memory (save to / load from a BytesIO): compress / decompress MB/s and ratio;
 * ZipNN (if installed: ``pip install zipnn==0.5.4``) on the same bytes (every tensor's bytes
   concatenated, ``ZipNN(bytearray_dtype=..., threads=<cores>)``): compress / decompress MB/s
@@ -96,6 +97,8 @@ def bench_state(name, state, dtype, reps, workdir, threads):
         "torch.save+fsync": lambda: fsync_save(state, pt),
         "torch.load": lambda: torch.load(pt, weights_only=True),
         "ckptzip.save (fsync)": lambda: ckptzip.save(state, ckz, fsync=True),
+        # a training loop's repeated saves of one layout (the manager's default)
+        "ckptzip.save (fsync, reuse_plan)": lambda: ckptzip.save(state, ckz, fsync=True, reuse_plan=True),
         "ckptzip.load": lambda: ckptzip.load(ckz),
         "ckptzip compress (memory)": lambda: mem.__setitem__("ckz", _save_mem(state)),
         "ckptzip decompress (memory)": lambda: ckptzip.load(io.BytesIO(mem["ckz"])),
@@ -144,6 +147,8 @@ def table(results) -> str:
                         f"{m['zipnn decompress']:,.0f} |")
         rows.append(f"| {name} | ckptzip.save (fsync) / load, file | {q['ckptzip']:.4f} | "
                     f"{m['ckptzip.save (fsync)']:,.0f} | {m['ckptzip.load']:,.0f} |")
+        rows.append(f"| {name} | ckptzip.save (fsync, reuse_plan=True) / load, file | {q['ckptzip']:.4f} | "
+                    f"{m['ckptzip.save (fsync, reuse_plan)']:,.0f} | {m['ckptzip.load']:,.0f} |")
         rows.append(f"| {name} | torch.save + fsync / torch.load, file | {q['torch.save']:.4f} | "
                     f"{m['torch.save+fsync']:,.0f} | {m['torch.load']:,.0f} |")
     return "\n".join(rows)
