@@ -308,23 +308,34 @@ static PyObject *py_decode_onto(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_copy_segments(PyObject *self, PyObject *args) {
-    Py_buffer src = {0}, dst = {0}, so = {0}, dof = {0}, ln = {0};
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*w*y*y*y*", &src, &dst, &so, &dof, &ln)) return NULL;
-    PyObject *ret = NULL;
-    int64_t *t = NULL;
-    Py_ssize_t n = ln.len / 8;
-    if (so.len != ln.len || dof.len != ln.len || ln.len % 8) {
-        PyErr_SetString(PyExc_ValueError, "offsets and lengths must be int64 arrays of one length");
-        goto done;
+/* A private copy of k int64 tables of one length (what is checked is what is used after the
+ * GIL is released, whoever else holds the caller's arrays): k * n values, or NULL with a
+ * Python exception set. */
+static int64_t *copy_tables(Py_buffer *tb, int k, Py_ssize_t *n) {
+    for (int j = 0; j < k; j++) {
+        if (tb[j].len % 8 || tb[j].len != tb[0].len) {
+            PyErr_SetString(PyExc_ValueError, "offsets and lengths must be int64 arrays of one length");
+            return NULL;
+        }
     }
-    /* a private copy of the tables: what is checked is what is used after the GIL is released */
-    t = PyMem_Malloc((size_t)(3 * n + 1) * sizeof(int64_t));
-    if (!t) { PyErr_NoMemory(); goto done; }
-    memcpy(t, so.buf, (size_t)so.len);
-    memcpy(t + n, dof.buf, (size_t)dof.len);
-    memcpy(t + 2 * n, ln.buf, (size_t)ln.len);
+    *n = tb[0].len / 8;
+    int64_t *t = PyMem_Malloc((size_t)(k * *n + 1) * sizeof(int64_t));
+    if (!t) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (int j = 0; j < k; j++) memcpy(t + j * *n, tb[j].buf, (size_t)tb[0].len);
+    return t;
+}
+
+static PyObject *py_copy_segments(PyObject *self, PyObject *args) {
+    Py_buffer src = {0}, dst = {0}, tb[3] = {{0}};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*y*y*y*", &src, &dst, &tb[0], &tb[1], &tb[2])) return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t n = 0;
+    int64_t *t = copy_tables(tb, 3, &n);
+    if (!t) goto done;
     const int64_t *s = t, *d = t + n, *l = t + 2 * n;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (s[i] < 0 || d[i] < 0 || l[i] < 0 || s[i] > src.len - l[i] || d[i] > dst.len - l[i]) {
@@ -345,9 +356,7 @@ done:
     PyMem_Free(t);
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
-    PyBuffer_Release(&so);
-    PyBuffer_Release(&dof);
-    PyBuffer_Release(&ln);
+    for (int k = 0; k < 3; k++) PyBuffer_Release(&tb[k]);
     return ret;
 }
 
@@ -561,22 +570,16 @@ static PyObject *py_zstd_decode(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*w*y*y*y*y*", &src, &dst, &tb[0], &tb[1], &tb[2], &tb[3])) return NULL;
     PyObject *ret = NULL;
     int64_t *t = NULL;
-    Py_ssize_t n = tb[0].len / 8;
+    Py_ssize_t n = 0;
     if (!zstd_load()) {
         PyErr_SetString(PyExc_RuntimeError, "libzstd.so.1 (1.4 or later) was not found");
-        goto done;
-    }
-    if (tb[0].len % 8 || tb[1].len != tb[0].len || tb[2].len != tb[0].len || tb[3].len != tb[0].len) {
-        PyErr_SetString(PyExc_ValueError, "offsets and sizes must be int64 arrays of one length");
         goto done;
     }
     if ((const char *)src.buf < (const char *)dst.buf + dst.len && (const char *)dst.buf < (const char *)src.buf + src.len) {
         PyErr_SetString(PyExc_ValueError, "zstd_decode: source and destination buffers overlap");
         goto done;
     }
-    t = PyMem_Malloc((size_t)(4 * n + 1) * sizeof(int64_t)); /* checked is what is used */
-    if (!t) { PyErr_NoMemory(); goto done; }
-    for (int k = 0; k < 4; k++) memcpy(t + k * n, tb[k].buf, (size_t)tb[0].len);
+    if (!(t = copy_tables(tb, 4, &n))) goto done;
     const int64_t *so = t, *ss = t + n, *dof = t + 2 * n, *ds = t + 3 * n;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (so[i] < 0 || ss[i] < 0 || dof[i] < 0 || ds[i] < 0 || so[i] > src.len - ss[i] ||
@@ -680,15 +683,9 @@ static PyObject *py_pread_many(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "iw*y*y*y*i", &fd, &buf, &tb[0], &tb[1], &tb[2], &threads)) return NULL;
     PyObject *ret = NULL;
-    int64_t *t = NULL;
-    Py_ssize_t n = tb[0].len / 8;
-    if (tb[0].len % 8 || tb[1].len != tb[0].len || tb[2].len != tb[0].len) {
-        PyErr_SetString(PyExc_ValueError, "offsets and lengths must be int64 arrays of one length");
-        goto done;
-    }
-    t = PyMem_Malloc((size_t)(3 * n + 1) * sizeof(int64_t)); /* checked is what is used */
-    if (!t) { PyErr_NoMemory(); goto done; }
-    for (int k = 0; k < 3; k++) memcpy(t + k * n, tb[k].buf, (size_t)tb[0].len);
+    Py_ssize_t n = 0;
+    int64_t *t = copy_tables(tb, 3, &n);
+    if (!t) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (t[i] < 0 || t[n + i] < 0 || t[2 * n + i] < 0 || t[n + i] > buf.len - t[2 * n + i] ||
             t[i] > INT64_MAX - t[2 * n + i]) {
