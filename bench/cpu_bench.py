@@ -8,6 +8,8 @@ same state and cores:
 * ZipNN (if installed: ``pip install zipnn==0.5.4``) on the same bytes (every tensor's bytes
   concatenated, ``ZipNN(bytearray_dtype=..., threads=<cores>)``): compress / decompress MB/s
   and ratio;
+* ZipNN end to end, as a user checkpoints a state dict with it: torch.save's bytes compressed by
+  ZipNN, then decompressed and read by torch.load (in memory);
 * torch.save + fsync and torch.load of the same state.
 
 Every figure is the best of ``--reps`` rounds; the rounds interleave all contenders so that
@@ -108,6 +110,12 @@ def bench_state(name, state, dtype, reps, workdir, threads):
         # gets a fresh copy every round, made outside the timed region
         runs["zipnn compress"] = lambda: mem.__setitem__("zn", zn.compress(mem.pop("zn_in")))
         runs["zipnn decompress"] = lambda: zn.decompress(mem["zn"])
+        # end to end, as a user checkpoints a state dict with ZipNN: torch.save's bytes through
+        # ZipNN, and back through torch.load (in memory; no file, no fsync)
+        # (ZipNN 0.5.4 crashed, double free, on a buffer whose length is not a multiple of the
+        # dtype's: the pickle's bytes are zero-padded, and cut back after decompression)
+        runs["zipnn+torch.save"] = lambda: mem.__setitem__("znpt", zn.compress(_padded(_pt_bytes(state), 4)))
+        runs["zipnn+torch.load"] = lambda: torch.load(io.BytesIO(_unpad(zn.decompress(mem["znpt"]))), weights_only=True)
     best = {}
     for _ in range(reps):
         for k, fn in runs.items():
@@ -126,7 +134,27 @@ def bench_state(name, state, dtype, reps, workdir, threads):
         assert bytes(zn.decompress(mem["zn"])) == blob
         res["bytes"]["zipnn"] = len(mem["zn"])
         res["ratio"]["zipnn"] = len(mem["zn"]) / raw
+        assert same(torch.load(io.BytesIO(_unpad(zn.decompress(mem["znpt"]))), weights_only=True), state)
+        res["bytes"]["zipnn+torch.save"] = len(mem["znpt"])
+        res["ratio"]["zipnn+torch.save"] = len(mem["znpt"]) / raw
     return res
+
+
+def _pt_bytes(state) -> bytes:
+    b = io.BytesIO()
+    torch.save(state, b)
+    return b.getvalue()
+
+
+def _padded(b: bytes, width: int) -> bytearray:
+    """``b`` zero-padded to a multiple of ``width`` bytes, its length in the last 8 bytes."""
+    n = len(b)
+    return bytearray(b + bytes((-(n + 8)) % width) + n.to_bytes(8, "little"))
+
+
+def _unpad(b) -> bytes:
+    b = bytes(b)
+    return b[:int.from_bytes(b[-8:], "little")]
 
 
 def _save_mem(state) -> bytes:
@@ -145,6 +173,8 @@ def table(results) -> str:
         if "zipnn" in q:
             rows.append(f"| {name} | ZipNN in memory | {q['zipnn']:.4f} | {m['zipnn compress']:,.0f} | "
                         f"{m['zipnn decompress']:,.0f} |")
+            rows.append(f"| {name} | ZipNN of torch.save's bytes + torch.load, in memory | "
+                        f"{q['zipnn+torch.save']:.4f} | {m['zipnn+torch.save']:,.0f} | {m['zipnn+torch.load']:,.0f} |")
         rows.append(f"| {name} | ckptzip.save (fsync) / load, file | {q['ckptzip']:.4f} | "
                     f"{m['ckptzip.save (fsync)']:,.0f} | {m['ckptzip.load']:,.0f} |")
         rows.append(f"| {name} | ckptzip.save (fsync, reuse_plan=True) / load, file | {q['ckptzip']:.4f} | "
