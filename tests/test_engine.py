@@ -274,3 +274,40 @@ def test_decode_group_starts_every_storage_aligned(tmp_path, monkeypatch):
     back = ckptzip.load(p, decode_device="cpu")
     assert all(torch.equal(back[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)) for k, v in state.items())
     assert seen and all(o % 16 == 0 for o in seen), seen
+
+
+
+def test_host_scratch_reuses_only_buffers_nobody_holds():
+    """HostScratch hands a buffer out again only once every tensor, slice and numpy view of the
+    previous one is gone; small requests are plain allocations; the cache stays under its cap,
+    and buffers taken at once never share memory."""
+    import gc
+    from ckptzip.engine.memory import HostScratch
+    h = HostScratch()
+    a = h.take(3 << 20)
+    pa = a.data_ptr()
+    part = a[100:200]  # a slice keeps the buffer taken
+    del a
+    gc.collect()
+    b = h.take(3 << 20)
+    pb = b.data_ptr()
+    assert pb != pa
+    del part, b
+    gc.collect()
+    c = h.take(3 << 20)
+    assert c.data_ptr() in (pa, pb)  # a free buffer is reused
+    view = c.numpy()[5:]  # a numpy view keeps it taken too
+    pc = c.data_ptr()
+    del c
+    gc.collect()
+    d = h.take(3 << 20)
+    assert d.data_ptr() != pc
+    del view, d
+    assert h.take(100).numel() == 100
+    h2 = HostScratch()
+    h2.MAX_BYTES = 8 << 20
+    keep = [h2.take(4 << 20) for _ in range(4)]
+    assert sum(e[0].size for e in h2._bufs) <= 8 << 20
+    for k, t in enumerate(keep):
+        t.fill_(k)
+    assert [int(t[-1]) for t in keep] == [0, 1, 2, 3]

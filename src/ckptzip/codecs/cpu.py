@@ -82,7 +82,8 @@ def _concat(outs: list) -> tuple[torch.Tensor, list[int], list[int]]:
     """Compressed chunks (buffers) back to back in one uint8 tensor: (tensor, offsets, sizes)."""
     out_sizes = [len(o) for o in outs]
     out_offsets = np.concatenate([[0], np.cumsum(out_sizes[:-1], dtype=np.int64)]).tolist() if outs else []
-    dst = torch.empty(sum(out_sizes), dtype=torch.uint8)
+    from ..engine.memory import HOST  # (here: the engine imports this module)
+    dst = HOST.take(sum(out_sizes))
     d = dst.numpy()
     for o, off, n in zip(outs, out_offsets, out_sizes):
         d[off:off + n] = np.frombuffer(o, dtype=np.uint8)

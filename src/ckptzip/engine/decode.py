@@ -25,7 +25,7 @@ from ..kernels import enabled, launch, triton_kernels
 from ..transforms import RefTransform, Transform, get_transform
 from ..transforms.byteplane import np_decode_onto
 from ..transforms.refs import Delta, fused_planes, multi_segment, planes_after_ref
-from .memory import ALIGN, PINNED, copy_segments
+from .memory import ALIGN, HOST, PINNED, copy_segments
 from .plan import DEFAULT_WINDOW, codec_key
 
 #: decoded bytes per group on the CPU: small enough that reading and checksumming the next
@@ -291,8 +291,9 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     if direct:
         stream = grp[0][0].out[grp[0][3]:grp[0][4]]
     else:  # (pinned where it goes to the GPU next: the copy is then asynchronous)
-        stream = torch.empty(total, dtype=torch.uint8, device=work,
-                             pin_memory=work == "cpu" and grp[0][0].out.device.type == "cuda")
+        to_gpu = work == "cpu" and grp[0][0].out.device.type == "cuda"
+        stream = (HOST.take(total) if work == "cpu" and not to_gpu
+                  else torch.empty(total, dtype=torch.uint8, device=work, pin_memory=to_gpu))
     counts = np.asarray([j - i for _job, i, j, _a, _b in grp], dtype=np.int64)
     first = np.repeat(np.cumsum(counts) - counts, counts)  # each row's batch's first row
     within = np.cumsum(raws) - raws

@@ -14,7 +14,7 @@ from ..format import FLAG_STORED_RAW, ROW
 from ..kernels import enabled, launch, triton_kernels
 from ..transforms import Transform
 from ..transforms.refs import fused_planes, multi_segment
-from .memory import PINNED, ceil_align, copy_segments
+from .memory import HOST, PINNED, ceil_align, copy_segments
 from .plan import Unit, codec_key
 
 #: host tensors are moved to the GPU and transformed in slices of this size (whole transform
@@ -82,7 +82,7 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
     fused = [fused_of(u) if mk is None else None for u, mk in zip(units, multi)]
     datas = [residual(u, fz) if mk is None else u.data for u, fz, mk in zip(units, fused, multi)]
     single = len(units) == 1 and units[0].plan.transform is None and datas[0].device.type == dev
-    stream = datas[0] if single else torch.empty(total, dtype=torch.uint8, device=dev)
+    stream = datas[0] if single else HOST.take(total) if dev == "cpu" else torch.empty(total, dtype=torch.uint8, device=dev)
     staged = None
     copies: tuple[list, list] = ([], [])  # plain same-device copies, done in one batched call
     cpu_tf: list = []  # CPU transforms, run by the CPU pool's threads after the loop

@@ -66,6 +66,50 @@ class PinnedPool:
 PINNED = PinnedPool()
 
 
+class HostScratch:
+    """Pageable host buffers for the CPU path's temporaries (group streams, read buffers,
+    compressed outputs), reused once nothing refers to them any more: a fresh buffer of many
+    MiB is mapped anew by malloc and pays a page fault per 4 KiB page when first written (a 40 MB
+    stream: 35 ms on a 2-core VM, against 8 ms to write it again). :meth:`take` returns a tensor
+    over a cached buffer whose previous view is gone (weakly tracked: every tensor, slice or
+    numpy view of it keeps it taken), else a new one, cached while the cache holds at most
+    ``MAX_BYTES``. Small requests get plain allocations."""
+
+    MIN = 1 << 20
+    GRAIN = 4 << 20
+    MAX_BYTES = 192 << 20
+
+    def __init__(self) -> None:
+        self._bufs: list[list] = []  # [numpy buffer, weakref to the view handed out, or None]
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> torch.Tensor:
+        if n < self.MIN:
+            return torch.empty(n, dtype=torch.uint8)
+        with self._lock:
+            free = [e for e in self._bufs if e[0].size >= n and (e[1] is None or e[1]() is None)]
+            if free:
+                e = min(free, key=lambda e: e[0].size)
+            else:
+                cap = -(-n // self.GRAIN) * self.GRAIN
+                e = [np.empty(cap, dtype=np.uint8), None]
+                held = sum(b[0].size for b in self._bufs)
+                if held + cap > self.MAX_BYTES:  # make room: drop free buffers, smallest first
+                    for f in sorted((b for b in self._bufs if b[1] is None or b[1]() is None), key=lambda b: b[0].size):
+                        if held + cap <= self.MAX_BYTES:
+                            break
+                        self._bufs.remove(f)
+                        held -= f[0].size
+                if held + cap <= self.MAX_BYTES:
+                    self._bufs.append(e)
+            view = e[0][:n]
+            e[1] = weakref.ref(view)
+            return torch.from_numpy(view)
+
+
+HOST = HostScratch()
+
+
 def free_gpu_bytes() -> int:
     """Free memory of the current CUDA device as this process can use it: what the driver
     reports free plus what torch's caching allocator holds without using (a save right after

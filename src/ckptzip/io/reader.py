@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..engine.memory import ALIGN, PINNED, ceil_align
+from ..engine.memory import ALIGN, HOST, PINNED, ceil_align
 from ..errors import ChecksumError
 from ..format import checksum
 from ..kernels import HASH_MIN
@@ -34,7 +34,7 @@ def read_stored(fd: int, batch: np.ndarray, pinned: bool = False, gpu_hash: bool
         padded = ceil_align(stored)
         offs = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.int64)
         total = int(padded.sum())
-    buf = PINNED.acquire(total) if pinned else torch.empty(total, dtype=torch.uint8)
+    buf = PINNED.acquire(total) if pinned else HOST.take(total)
     later = np.nonzero((stored >= HASH_MIN) & (offs % 8 == 0))[0] if gpu_hash else None
     try:
         return buf, _read_into(fd, batch, buf, fo, offs, stored, in_order and total == span, later), later
