@@ -311,3 +311,24 @@ def test_host_scratch_reuses_only_buffers_nobody_holds():
     for k, t in enumerate(keep):
         t.fill_(k)
     assert [int(t[-1]) for t in keep] == [0, 1, 2, 3]
+
+
+def test_host_scratch_evicts_free_buffers_when_full():
+    """At its cap, the cache drops free buffers (smallest first, whichever their place in the
+    list) to make room, and keeps every buffer still held; a save / load / save round of many
+    storages with the default cache runs through (a removal by equality once raised numpy's
+    ambiguous-truth error here)."""
+    import gc
+    from ckptzip.engine.memory import HostScratch
+    h = HostScratch()
+    h.MAX_BYTES = 24 << 20
+    held = h.take(8 << 20)
+    t1, t2 = h.take(4 << 20), h.take(8 << 20)
+    del t1, t2
+    gc.collect()
+    big = h.take(12 << 20)  # needs both free buffers dropped, one not first in the list
+    assert sum(e[0].size for e in h._bufs) <= h.MAX_BYTES
+    assert any(e[0].size >= 12 << 20 for e in h._bufs)
+    assert held.data_ptr() in [e[0].ctypes.data for e in h._bufs]
+    del big, held
+

@@ -643,7 +643,7 @@ def test_damaged_chunk_of_a_gpu_zstd_or_deflate_file_is_verified_before_decoding
 
 
 def test_zstd_files_load_to_the_gpu_through_the_cpu_decoder(tmp_path, monkeypatch):
-    """Zstd chunks (files written on a CPU, ``codec="zstd"``) are decoded by python-zstandard in
+    """Zstd chunks (files written on a CPU, ``codec="zstd"``) are decoded by the CPU codec in
     GPU loads unless ``decode_device="cuda"`` forces nvCOMP (Codec.safe_on_forged): standalone
     and incremental files land on the GPU bit-exact, and nvCOMP's Zstd decoder is never called."""
     from ckptzip.codecs.gpu import ZstdGPU
@@ -677,7 +677,9 @@ def test_zstd_files_load_to_the_gpu_through_the_cpu_decoder(tmp_path, monkeypatc
 def test_forged_zstd_gpu_load_returns(tmp_path):
     """A zstd chunk with flipped bits and a recomputed checksum (a forged file): a default GPU
     load ends, with data or a named error, never a hang (nvCOMP 6.0's Zstd decoder never returned
-    on 2 of 3 such chunks on an H100). Run in a subprocess with a time limit."""
+    on 2 of 3 such chunks on an H100). Three zstd-coded chunks (not ones stored raw) are forged,
+    one file each; each load runs in a subprocess with a time limit, where nvCOMP's Zstd decoder
+    must not be called at all."""
     import subprocess
     import sys
     import textwrap
@@ -689,7 +691,9 @@ def test_forged_zstd_gpu_load_returns(tmp_path):
     ckptzip.save(st, p, codec="zstd", chunk_size=1 << 20)
     data, doc, rows = read_parts(p)
     files = []
-    for k in (0, len(rows) // 2, len(rows) - 1):
+    coded = np.nonzero(rows["flags"] == 0)[0]
+    assert len(coded) >= 3
+    for k in coded[[0, len(coded) // 2, -1]].tolist():
         off = int(rows[k]["offset"]) + int(rows[k]["stored"]) // 2
         bad = bytearray(data)
         bad[off] ^= 0x01
@@ -701,6 +705,11 @@ def test_forged_zstd_gpu_load_returns(tmp_path):
         files.append(str(q))
     code = textwrap.dedent(f"""
         import ckptzip
+        from ckptzip.codecs.gpu import ZstdGPU
+
+        def refuse(*a, **k):
+            raise SystemExit("nvCOMP's Zstd decoder was called")
+        ZstdGPU.decode = refuse
         for f in {files!r}:
             try:
                 ckptzip.load(f, map_location="cuda")

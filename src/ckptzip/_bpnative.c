@@ -591,11 +591,12 @@ static PyObject *py_zstd_decode(PyObject *self, PyObject *args) {
     {
         char msg[200] = {0};
         Py_ssize_t bad = -1;
+        int no_memory = 0;
         const char *sb = src.buf;
         char *db = dst.buf;
         Py_BEGIN_ALLOW_THREADS
         ZSTD_DCtx *dc = zs.create();
-        if (!dc) snprintf(msg, sizeof msg, "no memory for a decoding context");
+        no_memory = !dc;
         for (Py_ssize_t i = 0; dc && i < n && !msg[0]; i++) {
             const char *in = sb + so[i];
             size_t len = (size_t)ss[i], want = (size_t)ds[i];
@@ -622,6 +623,10 @@ static PyObject *py_zstd_decode(PyObject *self, PyObject *args) {
         }
         if (dc) zs.free_(dc);
         Py_END_ALLOW_THREADS
+        if (no_memory) {
+            PyErr_NoMemory();
+            goto done;
+        }
         if (msg[0]) {
             ret = Py_BuildValue("(ns)", bad, msg);
             goto done;

@@ -562,7 +562,10 @@ def load(path: Any, *, map_location: Any = None, allow_pickle: bool = False,
     ``max(1 GiB, 4096 x file size)``, see :class:`CheckpointReader`). Pickled objects load only
     with ``allow_pickle=True``. ``progress(bytes_done, bytes_total)`` is called with decoded
     (raw) bytes. ``decode_device``: ``"cpu"`` or ``"cuda"`` forces where chunks are decoded
-    (default: the GPU when the destination is on one or nvCOMP is usable, else the CPU).
+    (default: the GPU when the destination is on one or nvCOMP is usable, else the CPU; but
+    zstd chunks on the CPU unless ``"cuda"`` is given: nvCOMP 6.0's Zstd decoder hung on
+    forged chunks). Chunks decoded on the CPU for a tensor on one GPU have their byte planes
+    undone on that GPU.
     ``base_dir`` / ``base_path``: where to find the base checkpoint(s) of an incremental file
     that moved (default: the recorded relative path).
 

@@ -317,11 +317,11 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     if direct:
         return
     if work == "cpu":
-        outs = {job.out.device.type for job, *_ in grp}
-        if outs == {"cpu"}:
+        outs = {job.out.device for job, *_ in grp}
+        if all(d.type == "cpu" for d in outs):
             _cpu_untransform(stream, grp, starts.tolist())
             return
-        if outs == {"cuda"}:  # chunks decoded on the host for the GPU: transforms undone there
+        if len(outs) == 1:  # chunks decoded on the host for one GPU: transforms undone there
             stream, work = stream.to(grp[0][0].out.device, non_blocking=True), "cuda"
     todo = zip(grp, starts.tolist())
     if work == "cuda" and tk is not None and enabled("decode_multi"):

@@ -98,7 +98,7 @@ class HostScratch:
                     for f in sorted((b for b in self._bufs if b[1] is None or b[1]() is None), key=lambda b: b[0].size):
                         if held + cap <= self.MAX_BYTES:
                             break
-                        self._bufs.remove(f)
+                        self._bufs = [b for b in self._bufs if b is not f]  # (by identity: entries hold arrays)
                         held -= f[0].size
                 if held + cap <= self.MAX_BYTES:
                     self._bufs.append(e)
