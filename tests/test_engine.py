@@ -332,3 +332,33 @@ def test_host_scratch_evicts_free_buffers_when_full():
     assert held.data_ptr() in [e[0].ctypes.data for e in h._bufs]
     del big, held
 
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_cpu_groups_read_raw_chunks_into_place(tmp_path, monkeypatch, split):
+    """CPU loads of local files read raw chunks straight into the decode stream (or the
+    destination) and the coded ones into a buffer (io.reader.read_split); with the switch off,
+    all into the buffer and copied. Either way the state is bit-exact, and a damaged raw or
+    coded chunk is a ChecksumError."""
+    from conftest import read_parts, write_parts
+    from ckptzip.engine import decode
+    from ckptzip.format import FLAG_STORED_RAW
+    monkeypatch.setattr(decode, "SPLIT_READS", split)
+    g = torch.Generator().manual_seed(1)
+    st = {"w": torch.randn(3 << 20, generator=g), "noise": torch.randint(0, 255, (5 << 20,), dtype=torch.uint8, generator=g),
+          "h": torch.randn(1 << 20, generator=g).half(), "n": 3}
+    p = tmp_path / "s.ckz"
+    ckptzip.save(st, p, device="cpu", chunk_size=1 << 20)
+    back = ckptzip.load(p)
+    for k in ("w", "noise", "h"):
+        assert torch.equal(back[k].view(torch.uint8), st[k].view(torch.uint8)), k
+    data, doc, rows = read_parts(p)
+    raw = np.nonzero(rows["flags"] == FLAG_STORED_RAW)[0]
+    coded = np.nonzero(rows["flags"] != FLAG_STORED_RAW)[0]
+    assert len(raw) and len(coded)
+    for k in (int(raw[len(raw) // 2]), int(coded[0])):
+        off = int(rows[k]["offset"]) + 7
+        q = tmp_path / f"bad{k}.ckz"
+        write_parts(q, data[:off] + bytes([data[off] ^ 0x10]) + data[off + 1:], doc, rows)
+        with pytest.raises(ckptzip.ChecksumError):
+            ckptzip.load(q)

@@ -20,7 +20,7 @@ from ..codecs.cpu import cpu_threads, pmap, pmap_sized, runs
 from ..codecs.gpu import release_scratch
 from ..errors import ChecksumError, CorruptFileError
 from ..format import FLAG_STORED_RAW
-from ..io.reader import read_stored
+from ..io.reader import read_split, read_stored
 from ..kernels import enabled, launch, triton_kernels
 from ..transforms import RefTransform, Transform, get_transform
 from ..transforms.byteplane import np_decode_onto
@@ -31,6 +31,9 @@ from .plan import DEFAULT_WINDOW, codec_key
 #: decoded bytes per group on the CPU: small enough that reading and checksumming the next
 #: group overlaps decoding this one, large enough for few codec calls
 CPU_GROUP = 16 << 20
+#: CPU groups of local files read their raw chunks straight into the decode stream
+#: (io.reader.read_split); False: into the read buffer, copied afterwards (tests cover both)
+SPLIT_READS = True
 
 
 def storage_chain(s: dict[str, Any], device: str, cache: dict | None = None, parsed: list | None = None
@@ -177,10 +180,19 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                 gpu_hash = (tk is not None and grp[0][0].codec.device == "cuda"
                             and all(job.codec.decodes_unverified for job, *_ in grp))
                 src = fd if grp[0][0].fd is None else grp[0][0].fd
-                host, soffs, later = read_stored(src, rows, pinned=gpu, gpu_hash=gpu_hash)
-                q.put((slot, host, soffs, rows, later, None))
+                pre = None
+                if (SPLIT_READS and native.lib is not None and isinstance(src, int) and grp[0][0].codec.device == "cpu"
+                        and all(job.out.device.type == "cpu" for job, *_ in grp)
+                        and bool((rows["flags"] == FLAG_STORED_RAW).any())):
+                    # CPU group: raw chunks read straight into the stream
+                    pre = group_stream(rows, grp, "cpu", filled=True)
+                    host, soffs = read_split(src, rows, pre[2].numpy(), pre[3])
+                    later = None
+                else:
+                    host, soffs, later = read_stored(src, rows, pinned=gpu, gpu_hash=gpu_hash)
+                q.put((slot, host, soffs, rows, later, pre, None))
         except BaseException as e:  # re-raised by the consumer
-            q.put((None, None, None, None, None, e))
+            q.put((None, None, None, None, None, None, e))
 
     t = threading.Thread(target=reader, name="ckptzip-reader", daemon=True)
     t.start()
@@ -226,7 +238,7 @@ def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress, tk=
         free.put(slot)
 
     for grp in grouped:
-        slot, host, soffs, rows, later, err = q.get()
+        slot, host, soffs, rows, later, pre, err = q.get()
         if err is not None:
             raise err
         work = grp[0][0].codec.device
@@ -236,7 +248,7 @@ def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress, tk=
             got = tk.xxh3_chunks(src, np.asarray(soffs, dtype=np.int64)[later], rows["stored"][later].astype(np.int64))
             hashed = (got.to("cpu", non_blocking=True), rows["xxh3"][later], rows["offset"][later])
         try:
-            decode_group(src, soffs, rows, grp, work, tk)
+            decode_group(src, soffs, rows, grp, work, tk, pre)
         except BaseException:
             if hashed is not None:
                 torch.cuda.current_stream().synchronize()
@@ -272,18 +284,15 @@ def _verify_gpu_hashes(hashed) -> None:
         raise ChecksumError(f"chunk at file offset {int(offs[bad[0]])} fails its checksum")
 
 
-def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: list, work: str, tk=None) -> None:
-    """Decode a group of batches (``rows`` concatenated in group order, already verified): raw
-    chunks are copied, codec chunks go to one call per codec, transforms are undone per batch,
-    or, on the GPU with the Triton kernels ``tk``, in one launch per kind of transform chain."""
-    stored = rows["stored"].astype(np.int64)
+def group_stream(rows: np.ndarray, grp: list, work: str, filled: bool = False) -> tuple:
+    """A decode group's stream and where each chunk's output goes in it: ``(direct, batch
+    starts, stream, row offsets, filled)``. Each batch starts 16-byte aligned (a storage of a
+    few bytes, such as an optimizer's step count, would otherwise misalign every chunk after it,
+    and nvCOMP's outputs must be aligned: each misaligned chunk was decoded aside and copied).
+    ``direct``: one batch without transforms, decoded straight into its destination."""
     raws = rows["raw"].astype(np.int64)
-    soffs = np.asarray(soffs, dtype=np.int64)
     direct = (len(grp) == 1 and grp[0][0].tf is None and grp[0][0].ref is None
               and grp[0][0].out.device.type == work)
-    # each batch starts 16-byte aligned in the group's stream (a storage of a few bytes, such as
-    # an optimizer's step count, would otherwise misalign every chunk after it, and nvCOMP's
-    # outputs must be aligned: each misaligned chunk was decoded aside and copied)
     sizes = np.asarray([b - a for _job, _i, _j, a, b in grp], dtype=np.int64)
     starts = np.zeros(len(grp), dtype=np.int64)
     np.cumsum(-(-sizes[:-1] // ALIGN) * ALIGN, out=starts[1:])
@@ -298,8 +307,24 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     first = np.repeat(np.cumsum(counts) - counts, counts)  # each row's batch's first row
     within = np.cumsum(raws) - raws
     roffs = np.repeat(starts, counts) + within - within[first]
+    return direct, starts, stream, roffs, filled
+
+
+def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: list, work: str, tk=None,
+                 pre: tuple | None = None) -> None:
+    """Decode a group of batches (``rows`` concatenated in group order, already verified): raw
+    chunks are copied, codec chunks go to one call per codec, transforms are undone per batch,
+    or, on the GPU with the Triton kernels ``tk``, in one launch per kind of transform chain."""
+    stored = rows["stored"].astype(np.int64)
+    raws = rows["raw"].astype(np.int64)
+    soffs = np.asarray(soffs, dtype=np.int64)
+    if pre is None:
+        pre = group_stream(rows, grp, work)
+    direct, starts, stream, roffs, filled = pre
     is_raw = rows["flags"] == FLAG_STORED_RAW
-    if work == "cpu":  # numpy: torch's intra-op threads stall on oversubscribed cores
+    if filled:
+        pass  # the reader put the raw chunks in place (io.reader.read_split)
+    elif work == "cpu":  # numpy: torch's intra-op threads stall on oversubscribed cores
         _np_copy_segments(src.numpy(), soffs[is_raw], stream.numpy(), roffs[is_raw], raws[is_raw])
     else:
         copy_segments(src, soffs[is_raw], stream, roffs[is_raw], raws[is_raw], start_kernels=False)

@@ -100,6 +100,37 @@ def _read_into(fd, batch: np.ndarray, buf: torch.Tensor, fo: np.ndarray, offs: n
 _PARALLEL_MIN = 8 << 20
 
 
+def read_split(fd: int, batch: np.ndarray, stream: np.ndarray, roffs: np.ndarray) -> tuple[torch.Tensor, list[int]]:
+    """A CPU decode group's chunks read with its stream laid out already: chunks stored raw
+    straight into their places ``roffs`` in ``stream`` (no copy afterwards), the others into a
+    host buffer for their codec. Every checksum is verified before anything is decoded. Returns
+    the buffer and each chunk's offset in it (0 for the raw ones). Local files, C extension only
+    (:func:`~ckptzip.storage.pread_ranges`)."""
+    from ..format import FLAG_STORED_RAW
+    stored = batch["stored"].astype(np.int64)
+    fo = batch["offset"].astype(np.int64)
+    raw = batch["flags"] == FLAG_STORED_RAW
+    coded = ~raw
+    padded = np.where(coded, ceil_align(stored), 0)
+    soffs = np.cumsum(padded) - padded
+    buf = HOST.take(int(padded.sum()))
+    b = buf.numpy()
+    roffs = np.asarray(roffs, dtype=np.int64)
+    pread_ranges(fd, stream, fo[raw], roffs[raw], stored[raw])
+    pread_ranges(fd, b, fo[coded], soffs[coded], stored[coded])
+    sums = np.zeros(len(batch), dtype=np.uint64)
+    if raw.any():
+        sums[raw] = np.array(checksums(stream, roffs[raw], stored[raw]), dtype=np.uint64)
+    if coded.any():
+        sums[coded] = np.array(checksums(b, soffs[coded], stored[coded]), dtype=np.uint64)
+    if len(batch):
+        will_need(fd, int(fo[-1] + stored[-1]))
+    bad = np.nonzero(sums != batch["xxh3"].astype(np.uint64))[0]
+    if len(bad):
+        raise ChecksumError(f"chunk at file offset {int(fo[bad[0]])} fails its checksum")
+    return buf, soffs.tolist()
+
+
 def checksums(b: np.ndarray, offs, stored, which: np.ndarray | None = None) -> list[int | None]:
     """XXH3-64 of every chunk (of those ``which`` marks; None for the others); large batches are
     hashed by the read pool's threads, each taking a contiguous part of the chunks (xxhash
