@@ -86,8 +86,10 @@ class HostScratch:
     def take(self, n: int) -> torch.Tensor:
         if n < self.MIN:
             return torch.empty(n, dtype=torch.uint8)
+        def idle(e: list) -> bool:  # no view of it is alive
+            return e[1] is None or e[1]() is None
         with self._lock:
-            free = [e for e in self._bufs if e[0].size >= n and (e[1] is None or e[1]() is None)]
+            free = [e for e in self._bufs if e[0].size >= n and idle(e)]
             if free:
                 e = min(free, key=lambda e: e[0].size)
             else:
@@ -95,7 +97,7 @@ class HostScratch:
                 e = [np.empty(cap, dtype=np.uint8), None]
                 held = sum(b[0].size for b in self._bufs)
                 if held + cap > self.MAX_BYTES:  # make room: drop free buffers, smallest first
-                    for f in sorted((b for b in self._bufs if b[1] is None or b[1]() is None), key=lambda b: b[0].size):
+                    for f in sorted(filter(idle, self._bufs), key=lambda b: b[0].size):
                         if held + cap <= self.MAX_BYTES:
                             break
                         self._bufs = [b for b in self._bufs if b is not f]  # (by identity: entries hold arrays)

@@ -9,7 +9,7 @@ import torch
 
 from ..engine.memory import ALIGN, HOST, PINNED, ceil_align
 from ..errors import ChecksumError
-from ..format import checksum
+from ..format import FLAG_STORED_RAW, checksum
 from ..kernels import HASH_MIN
 from .. import native
 from ..storage import READ_THREADS, pread_exact, pread_into, pread_ranges, read_pool, run_all, will_need
@@ -89,11 +89,16 @@ def _read_into(fd, batch: np.ndarray, buf: torch.Tensor, fo: np.ndarray, offs: n
     if n:
         will_need(fd, int(fo[-1] + stored[-1]))
     ks = np.nonzero(host)[0]
-    got = np.fromiter((sums[k] for k in ks.tolist()), dtype=np.uint64, count=len(ks))
+    _verify(batch, ks, np.fromiter((sums[k] for k in ks.tolist()), dtype=np.uint64, count=len(ks)))
+    return ol
+
+
+def _verify(batch: np.ndarray, ks: np.ndarray, got: np.ndarray) -> None:
+    """ChecksumError for the first of the chunks ``ks`` whose XXH3 ``got`` (uint64) is not the
+    chunk table's."""
     bad = ks[got != batch["xxh3"][ks].astype(np.uint64)]
     if len(bad):
-        raise ChecksumError(f"chunk at file offset {int(fo[bad[0]])} fails its checksum")
-    return ol
+        raise ChecksumError(f"chunk at file offset {int(batch['offset'][bad[0]])} fails its checksum")
 
 
 #: batches from this size on are read and checksummed in parallel parts (local files)
@@ -106,7 +111,6 @@ def read_split(fd: int, batch: np.ndarray, stream: np.ndarray, roffs: np.ndarray
     host buffer for their codec. Every checksum is verified before anything is decoded. Returns
     the buffer and each chunk's offset in it (0 for the raw ones). Local files, C extension only
     (:func:`~ckptzip.storage.pread_ranges`)."""
-    from ..format import FLAG_STORED_RAW
     stored = batch["stored"].astype(np.int64)
     fo = batch["offset"].astype(np.int64)
     raw = batch["flags"] == FLAG_STORED_RAW
@@ -125,9 +129,7 @@ def read_split(fd: int, batch: np.ndarray, stream: np.ndarray, roffs: np.ndarray
         sums[coded] = np.array(checksums(b, soffs[coded], stored[coded]), dtype=np.uint64)
     if len(batch):
         will_need(fd, int(fo[-1] + stored[-1]))
-    bad = np.nonzero(sums != batch["xxh3"].astype(np.uint64))[0]
-    if len(bad):
-        raise ChecksumError(f"chunk at file offset {int(fo[bad[0]])} fails its checksum")
+    _verify(batch, np.arange(len(batch)), sums)
     return buf, soffs.tolist()
 
 
