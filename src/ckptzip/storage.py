@@ -169,7 +169,8 @@ def will_need(fd, offset: int, length: int = READAHEAD) -> None:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
 
 
-#: the pieces :func:`pread_ranges` cuts ranges into (work for its threads to take in turn)
+#: the pieces :func:`pread_ranges` cuts ranges into for its C threads (taken in turn; the read
+#: pool, where the extension is missing, gets pieces of ``_PARALLEL_PIECE``)
 NATIVE_PIECE = 4 << 20
 
 
@@ -182,16 +183,17 @@ def pread_ranges(fd: int, buf, foffs, boffs, lens) -> None:
     import numpy as np
     from . import native
     fo, bo, ln = (np.asarray(x, dtype=np.int64) for x in (foffs, boffs, lens))
+    piece = NATIVE_PIECE if native.lib is not None else _PARALLEL_PIECE
+    cnt = np.maximum(1, -(-ln // piece))
+    if len(cnt) and int(cnt.max()) > 1:  # cut long ranges into pieces
+        first = np.repeat(np.cumsum(cnt) - cnt, cnt)
+        within = (np.arange(int(cnt.sum()), dtype=np.int64) - first) * piece
+        rl = np.repeat(ln, cnt)
+        fo, bo, ln = np.repeat(fo, cnt) + within, np.repeat(bo, cnt) + within, np.minimum(rl - within, piece)
     if native.lib is None:
         b = memoryview(buf).cast("B")
         run_all([read_pool().submit(pread_exact, fd, b[o:o + k], f) for f, o, k in zip(fo.tolist(), bo.tolist(), ln.tolist())])
         return
-    cnt = np.maximum(1, -(-ln // NATIVE_PIECE))
-    if len(cnt) and int(cnt.max()) > 1:  # cut long ranges into pieces
-        first = np.repeat(np.cumsum(cnt) - cnt, cnt)
-        within = (np.arange(int(cnt.sum()), dtype=np.int64) - first) * NATIVE_PIECE
-        rl = np.repeat(ln, cnt)
-        fo, bo, ln = np.repeat(fo, cnt) + within, np.repeat(bo, cnt) + within, np.minimum(rl - within, NATIVE_PIECE)
     at = native.lib.pread_many(fd, buf, fo, bo, ln, READ_THREADS)
     if at is not None:
         raise TruncatedFileError(f"file ends inside a declared range (at or before offset {at})")
@@ -205,12 +207,7 @@ def pread_into(fd, buf: memoryview, offset: int) -> None:
         return fd.pread_into(buf, offset)
     n = len(buf)
     if n >= 4 * _PARALLEL_PIECE and READ_THREADS > 1:
-        from . import native
-        if native.lib is not None:
-            pread_ranges(fd, buf, [offset], [0], [n])
-            return
-        run_all([read_pool().submit(pread_exact, fd, buf[a:a + _PARALLEL_PIECE], offset + a)
-                 for a in range(0, n, _PARALLEL_PIECE)])
+        pread_ranges(fd, buf, [offset], [0], [n])
         return
     pread_exact(fd, buf, offset)
 
