@@ -7,7 +7,7 @@ import queue
 import threading
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -186,7 +186,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                         and bool((rows["flags"] == FLAG_STORED_RAW).any())):
                     # CPU group: raw chunks read straight into the stream
                     pre = group_stream(rows, grp, "cpu", filled=True)
-                    host, soffs = read_split(src, rows, pre[2].numpy(), pre[3])
+                    host, soffs = read_split(src, rows, pre.stream.numpy(), pre.roffs)
                     later = None
                 else:
                     host, soffs, later = read_stored(src, rows, pinned=gpu, gpu_hash=gpu_hash)
@@ -284,12 +284,19 @@ def _verify_gpu_hashes(hashed) -> None:
         raise ChecksumError(f"chunk at file offset {int(offs[bad[0]])} fails its checksum")
 
 
-def group_stream(rows: np.ndarray, grp: list, work: str, filled: bool = False) -> tuple:
-    """A decode group's stream and where each chunk's output goes in it: ``(direct, batch
-    starts, stream, row offsets, filled)``. Each batch starts 16-byte aligned (a storage of a
+class GroupStream(NamedTuple):
+    """A decode group's stream and where each chunk's output goes in it."""
+    direct: bool  # one batch without transforms: the stream is its destination
+    starts: np.ndarray  # each batch's first byte in the stream
+    stream: torch.Tensor
+    roffs: np.ndarray  # each chunk's output offset in the stream
+    filled: bool  # the reader put the raw chunks in place already (io.reader.read_split)
+
+
+def group_stream(rows: np.ndarray, grp: list, work: str, filled: bool = False) -> GroupStream:
+    """The group's :class:`GroupStream`. Each batch starts 16-byte aligned (a storage of a
     few bytes, such as an optimizer's step count, would otherwise misalign every chunk after it,
-    and nvCOMP's outputs must be aligned: each misaligned chunk was decoded aside and copied).
-    ``direct``: one batch without transforms, decoded straight into its destination."""
+    and nvCOMP's outputs must be aligned: each misaligned chunk was decoded aside and copied)."""
     raws = rows["raw"].astype(np.int64)
     direct = (len(grp) == 1 and grp[0][0].tf is None and grp[0][0].ref is None
               and grp[0][0].out.device.type == work)
@@ -307,11 +314,11 @@ def group_stream(rows: np.ndarray, grp: list, work: str, filled: bool = False) -
     first = np.repeat(np.cumsum(counts) - counts, counts)  # each row's batch's first row
     within = np.cumsum(raws) - raws
     roffs = np.repeat(starts, counts) + within - within[first]
-    return direct, starts, stream, roffs, filled
+    return GroupStream(direct, starts, stream, roffs, filled)
 
 
 def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: list, work: str, tk=None,
-                 pre: tuple | None = None) -> None:
+                 pre: GroupStream | None = None) -> None:
     """Decode a group of batches (``rows`` concatenated in group order, already verified): raw
     chunks are copied, codec chunks go to one call per codec, transforms are undone per batch,
     or, on the GPU with the Triton kernels ``tk``, in one launch per kind of transform chain."""
@@ -323,7 +330,7 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     direct, starts, stream, roffs, filled = pre
     is_raw = rows["flags"] == FLAG_STORED_RAW
     if filled:
-        pass  # the reader put the raw chunks in place (io.reader.read_split)
+        pass
     elif work == "cpu":  # numpy: torch's intra-op threads stall on oversubscribed cores
         _np_copy_segments(src.numpy(), soffs[is_raw], stream.numpy(), roffs[is_raw], raws[is_raw])
     else:
