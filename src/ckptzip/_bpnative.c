@@ -328,36 +328,36 @@ static int64_t *copy_tables(Py_buffer *tb, int k, Py_ssize_t *n) {
     return t;
 }
 
+/* The common exit of the functions that take tables: frees the private copy ``t``, releases the
+ * ``nb`` buffers ``b`` (all zero-initialized before parsing, so unparsed ones are no-ops) and
+ * returns ``ret`` (NULL with the exception set, or the result). */
+static PyObject *finish(PyObject *ret, int64_t *t, Py_buffer *b, int nb) {
+    PyMem_Free(t);
+    for (int k = 0; k < nb; k++) PyBuffer_Release(&b[k]);
+    return ret;
+}
+
 static PyObject *py_copy_segments(PyObject *self, PyObject *args) {
-    Py_buffer src = {0}, dst = {0}, tb[3] = {{0}};
+    Py_buffer b[5] = {{0}}, *src = &b[0], *dst = &b[1], *tb = b + 2;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*w*y*y*y*", &src, &dst, &tb[0], &tb[1], &tb[2])) return NULL;
-    PyObject *ret = NULL;
+    if (!PyArg_ParseTuple(args, "y*w*y*y*y*", src, dst, &tb[0], &tb[1], &tb[2])) return NULL;
     Py_ssize_t n = 0;
     int64_t *t = copy_tables(tb, 3, &n);
-    if (!t) goto done;
+    if (!t) return finish(NULL, t, b, 5);
     const int64_t *s = t, *d = t + n, *l = t + 2 * n;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (s[i] < 0 || d[i] < 0 || l[i] < 0 || s[i] > src.len - l[i] || d[i] > dst.len - l[i]) {
+        if (s[i] < 0 || d[i] < 0 || l[i] < 0 || s[i] > src->len - l[i] || d[i] > dst->len - l[i]) {
             PyErr_SetString(PyExc_ValueError, "segment outside its buffer");
-            goto done;
+            return finish(NULL, t, b, 5);
         }
     }
-    {
-        const char *sb = src.buf;
-        char *db = dst.buf;
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) memmove(db + d[i], sb + s[i], (size_t)l[i]);
-        Py_END_ALLOW_THREADS
-    }
+    const char *sb = src->buf;
+    char *db = dst->buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) memmove(db + d[i], sb + s[i], (size_t)l[i]);
+    Py_END_ALLOW_THREADS
     Py_INCREF(Py_None);
-    ret = Py_None;
-done:
-    PyMem_Free(t);
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
-    for (int k = 0; k < 3; k++) PyBuffer_Release(&tb[k]);
-    return ret;
+    return finish(Py_None, t, b, 5);
 }
 
 /* x with the exponent field plus q >> 23 (q a multiple of 2^23) mod 256, or minus: bit 31 kept */
@@ -565,9 +565,9 @@ static PyObject *py_zstd_version(PyObject *self, PyObject *args) {
 #define ZSTD_UNKNOWN (0ULL - 1)
 
 static PyObject *py_zstd_decode(PyObject *self, PyObject *args) {
-    Py_buffer src = {0}, dst = {0}, tb[4] = {{0}};
+    Py_buffer b[6] = {{0}}, *src = &b[0], *dst = &b[1], *tb = b + 2;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*w*y*y*y*y*", &src, &dst, &tb[0], &tb[1], &tb[2], &tb[3])) return NULL;
+    if (!PyArg_ParseTuple(args, "y*w*y*y*y*y*", src, dst, &tb[0], &tb[1], &tb[2], &tb[3])) return NULL;
     PyObject *ret = NULL;
     int64_t *t = NULL;
     Py_ssize_t n = 0;
@@ -575,15 +575,15 @@ static PyObject *py_zstd_decode(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_RuntimeError, "libzstd.so.1 (1.4 or later) was not found");
         goto done;
     }
-    if ((const char *)src.buf < (const char *)dst.buf + dst.len && (const char *)dst.buf < (const char *)src.buf + src.len) {
+    if ((const char *)src->buf < (const char *)dst->buf + dst->len && (const char *)dst->buf < (const char *)src->buf + src->len) {
         PyErr_SetString(PyExc_ValueError, "zstd_decode: source and destination buffers overlap");
         goto done;
     }
     if (!(t = copy_tables(tb, 4, &n))) goto done;
     const int64_t *so = t, *ss = t + n, *dof = t + 2 * n, *ds = t + 3 * n;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (so[i] < 0 || ss[i] < 0 || dof[i] < 0 || ds[i] < 0 || so[i] > src.len - ss[i] ||
-            dof[i] > dst.len - ds[i]) {
+        if (so[i] < 0 || ss[i] < 0 || dof[i] < 0 || ds[i] < 0 || so[i] > src->len - ss[i] ||
+            dof[i] > dst->len - ds[i]) {
             PyErr_SetString(PyExc_ValueError, "chunk outside its buffer");
             goto done;
         }
@@ -592,8 +592,8 @@ static PyObject *py_zstd_decode(PyObject *self, PyObject *args) {
         char msg[200] = {0};
         Py_ssize_t bad = -1;
         int no_memory = 0;
-        const char *sb = src.buf;
-        char *db = dst.buf;
+        const char *sb = src->buf;
+        char *db = dst->buf;
         Py_BEGIN_ALLOW_THREADS
         ZSTD_DCtx *dc = zs.create();
         no_memory = !dc;
@@ -635,11 +635,7 @@ static PyObject *py_zstd_decode(PyObject *self, PyObject *args) {
     Py_INCREF(Py_None);
     ret = Py_None;
 done:
-    PyMem_Free(t);
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
-    for (int k = 0; k < 4; k++) PyBuffer_Release(&tb[k]);
-    return ret;
+    return finish(ret, t, b, 6);
 }
 
 /* -- parallel reads ------------------------------------------------------------------------- */
@@ -684,15 +680,15 @@ static void *read_worker(void *arg) {
 
 static PyObject *py_pread_many(PyObject *self, PyObject *args) {
     int fd, threads;
-    Py_buffer buf = {0}, tb[3] = {{0}};
+    Py_buffer b[4] = {{0}}, *buf = &b[0], *tb = b + 1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iw*y*y*y*i", &fd, &buf, &tb[0], &tb[1], &tb[2], &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "iw*y*y*y*i", &fd, buf, &tb[0], &tb[1], &tb[2], &threads)) return NULL;
     PyObject *ret = NULL;
     Py_ssize_t n = 0;
     int64_t *t = copy_tables(tb, 3, &n);
     if (!t) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (t[i] < 0 || t[n + i] < 0 || t[2 * n + i] < 0 || t[n + i] > buf.len - t[2 * n + i] ||
+        if (t[i] < 0 || t[n + i] < 0 || t[2 * n + i] < 0 || t[n + i] > buf->len - t[2 * n + i] ||
             t[i] > INT64_MAX - t[2 * n + i]) {
             PyErr_SetString(PyExc_ValueError, "range outside its buffer");
             goto done;
@@ -702,7 +698,7 @@ static PyObject *py_pread_many(PyObject *self, PyObject *args) {
     if (threads > MAX_READ_THREADS) threads = MAX_READ_THREADS;
     if (threads > n) threads = (int)(n ? n : 1);
     {
-        reads_t r = {fd, buf.buf, t, t + n, t + 2 * n, n, 0, 0, -1};
+        reads_t r = {fd, buf->buf, t, t + n, t + 2 * n, n, 0, 0, -1};
         pthread_t th[MAX_READ_THREADS];
         int started = 0;
         Py_BEGIN_ALLOW_THREADS
@@ -724,10 +720,7 @@ static PyObject *py_pread_many(PyObject *self, PyObject *args) {
     Py_INCREF(Py_None);
     ret = Py_None;
 done:
-    PyMem_Free(t);
-    PyBuffer_Release(&buf);
-    for (int k = 0; k < 3; k++) PyBuffer_Release(&tb[k]);
-    return ret;
+    return finish(ret, t, b, 4);
 }
 
 static PyMethodDef methods[] = {
