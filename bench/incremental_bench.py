@@ -117,8 +117,8 @@ def _sync(device: str) -> None:
 
 
 def gpu_delta_throughput(cur: torch.Tensor, base: torch.Tensor, reps: int = 10, kind: str = "delta") -> dict:
-    """Compress / decompress GB/s of the planned ``delta`` (what incremental saves use for floats)
-    or ``xor`` (+ byteplane + codec) encode and decode of one device-resident tensor against its
+    """Compress / decompress GB/s of the planned ``delta`` (what incremental saves use for 16-bit
+    floats), ``hidelta`` (float32 against a plain byteplane base storage) or ``xor`` (+ byteplane + codec) encode and decode of one device-resident tensor against its
     base, as bench/gpu_throughput.py measures plain ones (decode: the destination already holds
     the base, as an incremental load leaves it)."""
     from ckptzip.codecs import _capi
@@ -132,7 +132,9 @@ def gpu_delta_throughput(cur: torch.Tensor, base: torch.Tensor, reps: int = 10, 
     ref = StorageRef(cur.reshape(-1).view(torch.uint8), str(cur.dtype)[6:], str(cur.device), cur.element_size())
     bref = base.reshape(-1).view(torch.uint8)
     win = gpu_window()
-    rt = Delta(0, 0, cur.element_size()) if kind == "delta" else Xor(0, 0)
+    from ckptzip.transforms.refs import HiDelta
+    rt = (Delta(0, 0, cur.element_size()) if kind == "delta" else HiDelta(0, 0) if kind == "hidelta"
+          else Xor(0, 0))
     plan = Planner("auto", "auto", 1 << 20, None, dev).plan_all([ref], win, ref_tfs={0: rt.bind(bref)})[0]
     units = units_of(0, ref.data, plan, win)
     n = ref.data.numel()
@@ -221,7 +223,8 @@ def main() -> None:
         w2 = torch.cat([v.reshape(-1) for v in s2["model"].values()])
         v1 = torch.cat([s["exp_avg_sq"].reshape(-1) for s in s1["optimizer"]["state"].values()])
         v2 = torch.cat([s["exp_avg_sq"].reshape(-1) for s in s2["optimizer"]["state"].values()])
-        res["gpu_delta_throughput"] = {"fp32 weights": gpu_delta_throughput(w2, w1),
+        res["gpu_delta_throughput"] = {"fp32 weights (hidelta: what saves use)": gpu_delta_throughput(w2, w1, kind="hidelta"),
+                                       "fp32 weights (delta)": gpu_delta_throughput(w2, w1),
                                        "bf16 weights": gpu_delta_throughput(w2.bfloat16(), w1.bfloat16()),
                                        "adam v": gpu_delta_throughput(v2, v1)}
         res["gpu_xor_throughput"] = {"fp32 weights": gpu_delta_throughput(w2, w1, kind="xor"),

@@ -87,6 +87,7 @@ TRANSFORM_EXAMPLES = {
     # infinities for derived) by test_transform_inverts_and_keeps_input
     "xor": [{"id": "xor", "ref": {"base": 0, "storage": s}} for s in (0, 3)],
     "delta": [{"id": "delta", "ref": {"base": 0, "storage": 2}, "width": w} for w in (2, 4, 8)],
+    "hidelta": [{"id": "hidelta", "ref": {"base": 0, "storage": s}} for s in (0, 4)],
     "derived": [{"id": "derived", "ref": {"storage": 1}, "from": "float32", "to": to}
                 for to in ("bfloat16", "float16")],
     "expref": [{"id": "expref", "ref": {"storage": s}} for s in (0, 5)],

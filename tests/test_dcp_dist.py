@@ -198,7 +198,7 @@ def test_incremental_rank_files_store_deltas_against_the_base(dist_ckpts, tmp_pa
         name = f"__{r}_0.ckz"
         with ckptzip.open(os.path.join(dist_ckpts[incr], name)) as f:
             assert f.base["file"] == f"../{full}/{name}" and f.base["depth"] == 1
-            assert any(t["id"] in ("delta", "xor") for s in f.storages for t in s.get("transforms", []))
+            assert any(t["id"] in ("delta", "hidelta", "xor") for s in f.storages for t in s.get("transforms", []))
         assert os.path.getsize(os.path.join(dist_ckpts[incr], name)) < \
             0.8 * os.path.getsize(os.path.join(dist_ckpts[full], name))
     out = tmp_path / "one.ckz"

@@ -19,7 +19,8 @@ def test_fixtures_present():
     names = {os.path.basename(f) for f in FILES}
     assert {"v1_auto_cpu.ckz", "v1_zstd_cpu.ckz", "v1_raw.ckz", "v1_deflate_cpu.ckz",
             "v11_base_cpu.ckz", "v11_incr_cpu.ckz", "v12_expref_cpu.ckz", "v12_expref_ans_gpu.ckz",
-            "v12_expgrid_cpu.ckz", "v12_expgrid_ans_gpu.ckz", "v12_portable_gpu.ckz"} <= names
+            "v12_expgrid_cpu.ckz", "v12_expgrid_ans_gpu.ckz", "v12_portable_gpu.ckz",
+            "v13_hidelta_cpu.ckz"} <= names
 
 
 def test_expected_digests_match_generator():
@@ -36,7 +37,7 @@ def test_golden_file(path):
             ckptzip.load(path, map_location="cpu")
         return
     back = ckptzip.load(path, map_location="cpu")
-    want = golden_object_next() if "_incr" in name else golden_grid_object() if "_expgrid" in name else golden_object()
+    want = golden_object_next() if "_incr" in name or "_hidelta" in name else golden_grid_object() if "_expgrid" in name else golden_object()
     assert_same(back, want)
     with ckptzip.open(path) as r:
         assert r.metadata["fixture"] == name[:-4]
@@ -62,6 +63,19 @@ def test_v11_pair_uses_the_new_transforms(tmp_path):
     with pytest.raises(ckptzip.BaseCheckpointError, match="v11_base_cpu.ckz"):
         ckptzip.load(tmp_path / "incr.ckz")
     assert_same(ckptzip.load(tmp_path / "incr.ckz", base_dir=HERE), golden_object_next())
+
+
+@pytest.mark.parametrize("name", ["v13_hidelta_cpu.ckz"])
+def test_v13_files_use_hidelta(name):
+    """Format 1.3 (written on a CPU, and on a GPU by the Triton kernel, both zstd): the float32
+    weights as ``hidelta`` against the 1.1 base's plain byteplane storage, decoded on the CPU
+    from the base's planes 0, 2 and 3."""
+    path = os.path.join(HERE, name)
+    assert open(path, "rb").read(12)[8:12] == b"\x01\x00\x03\x00"
+    with ckptzip.open(path) as r:
+        ids = [[t["id"] for t in s.get("transforms", [])] for s in r.storages]
+        assert ["hidelta", "byteplane"] in ids and r.base["file"] == "v11_base_cpu.ckz"
+    assert_same(ckptzip.load(path, map_location="cpu"), golden_object_next())
 
 
 @pytest.mark.parametrize("name", ["v12_expgrid_cpu.ckz", "v12_expgrid_ans_gpu.ckz"])

@@ -275,15 +275,17 @@ def test_cast16_cuda_matches_cpu_on_edge_patterns():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
-@pytest.mark.parametrize("kind", ["xor", "delta"])
+@pytest.mark.parametrize("kind", ["xor", "delta", "hidelta"])
 @pytest.mark.parametrize("n,block", [(1, 8), (1000, 64), (100_003, 4096), (3 << 20, 1 << 20)])
 def test_fused_reference_planes_match_two_steps(dtype, kind, n, block):
     """The one-kernel ``xor``/``delta`` + ``byteplane`` (incremental saves and loads on a GPU)
     writes the bytes of the two separate steps (CPU numpy), and undoes them in place."""
     from ckptzip import transforms
     from ckptzip.kernels import triton_kernels
-    from ckptzip.kernels import DELTA, XOR
-    from ckptzip.transforms.refs import Delta, Xor, fused_planes
+    from ckptzip.kernels import DELTA, HIDELTA, XOR
+    from ckptzip.transforms.refs import Delta, HiDelta, Xor, fused_planes
+    if kind == "hidelta" and dtype != torch.float32:
+        pytest.skip("hidelta is for float32")
     if triton_kernels(wait=True) is None:
         pytest.skip("no Triton")
     g = torch.Generator(device="cuda").manual_seed(n)
@@ -293,9 +295,9 @@ def test_fused_reference_planes_match_two_steps(dtype, kind, n, block):
     xb, bb = x.view(-1).view(torch.uint8), base.view(-1).view(torch.uint8)
     w = dtype.itemsize
     bp = transforms.BytePlane(w, block)
-    rt = (Delta(0, 0, w) if kind == "delta" else Xor(0, 0)).bind(bb)
+    rt = (Delta(0, 0, w) if kind == "delta" else HiDelta(0, 0) if kind == "hidelta" else Xor(0, 0)).bind(bb)
     fz = fused_planes(bp, rt, 0, xb)
-    mode = DELTA if kind == "delta" else XOR
+    mode = {"delta": DELTA, "hidelta": HIDELTA, "xor": XOR}[kind]
     assert fz is not None and fz[2:] == (w, block, mode) and torch.equal(fz[1], bb)
     kern = fz[0]
     want = bp.encode(rt.bind(bb.cpu()).encode(xb.cpu()))
@@ -720,3 +722,45 @@ def test_forged_zstd_gpu_load_returns(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert len(out.stdout.split("\n")) - 1 == len(files), out.stdout
+
+
+@pytest.mark.parametrize("n,block", [(1, 8), (1000, 64), (100_003, 4096), (3 << 20, 1 << 20)])
+def test_plane_subset_kernel_matches_torch(n, block):
+    """The Triton partial decode (planes 0, 2, 3 of a base storage, for hidelta loads) writes the
+    words of the torch path, and bits 15..31 equal the original words'."""
+    from ckptzip.kernels import triton_kernels
+    from ckptzip.transforms.byteplane import BytePlane, PlaneSubset
+    tk = triton_kernels(wait=True)
+    if tk is None:
+        pytest.skip("no Triton")
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randint(0, 256, (4 * n,), dtype=torch.uint8, device="cuda", generator=g)
+    bp = BytePlane(4, block)
+    enc = bp.encode(x)
+    part = torch.cat([enc[o:o + m] for k, (o, m) in enumerate(bp.segments(4 * n)) if k % 4 != 1])
+    got, want = torch.zeros_like(x), torch.zeros_like(x)
+    tk.decode_part(part, got, block)
+    PlaneSubset(block)._decode(part, want, True)
+    assert torch.equal(got, want)
+    m = 0xFFFF8000 - (1 << 32)
+    assert torch.equal(got.view(torch.int32) & m, x.view(torch.int32) & m)
+
+
+def test_hidelta_incremental_on_gpu_bit_exact(tmp_path):
+    """An incremental save of CUDA float32 weights uses hidelta; loading it onto the GPU decodes
+    the base's planes 0, 2, 3 (Triton) and the residual (fused kernel): bit-exact, and the same
+    as the CPU load of the same file."""
+    from ckptzip.kernels import triton_kernels
+    triton_kernels(wait=True)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = torch.randn(3 << 20, device="cuda", generator=g) * 0.02
+    s1 = {"w": w, "small": w[:1000].clone()}
+    s2 = {"w": w + 1e-6 * torch.randn(w.shape, device="cuda", generator=g), "small": w[:1000] * 1.0001}
+    a, b = tmp_path / "a.ckz", tmp_path / "b.ckz"
+    ckptzip.save(s1, a)
+    ckptzip.save(s2, b, base=a)
+    with ckptzip.open(b) as r:
+        assert r.storages[0]["transforms"][0]["id"] == "hidelta"
+    back = ckptzip.load(b, map_location="cuda")
+    for k in s2:
+        assert torch.equal(back[k].view(torch.int32), s2[k].view(torch.int32)), k

@@ -3,6 +3,7 @@ against a base file): detection, bit-exact round trips, choices, base errors, ch
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -173,7 +174,7 @@ def test_incremental_round_trip_and_gain(tmp_path):
         assert_same(r.get_tensor("model.l0.w"), s2["model"]["l0.w"])
         r.verify()
     tfs = transforms_of(b)
-    assert ["delta", "byteplane"] in tfs
+    assert ["hidelta", "byteplane"] in tfs  # float32 against plain byteplane base storages (format 1.3)
 
 
 def test_delta_only_where_it_pays(tmp_path):
@@ -186,8 +187,8 @@ def test_delta_only_where_it_pays(tmp_path):
     ckptzip.save(s1, a)
     ckptzip.save(s2, b, base=a)
     tfs = transforms_of(b)
-    assert tfs[0][0] == "delta"         # slowly changing weights: delta
-    assert tfs[1][:1] != ["delta"]      # unrelated values: no reference
+    assert tfs[0][0] == "hidelta"       # slowly changing float32 weights: hidelta (format 1.3)
+    assert tfs[1][:1] not in (["delta"], ["hidelta"])  # unrelated values: no reference
     assert_same(ckptzip.load(b), s2)
 
 
@@ -502,3 +503,119 @@ def test_incremental_mixed_chain_many_windows(tmp_path, monkeypatch):
         for key in ("w", "w_bf16", "ids", "d", "h", "noise", "new2"):
             assert_same(r.get_tensor(key), s[2][key])
         r.verify()
+
+
+# -- hidelta (format 1.3): float32 deltas that need planes 0, 2 and 3 of their base ----------
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 3000), seed=st.integers(0, 2**31), scale=st.sampled_from([0.0, 1e-7, 1e-3, 1.0]))
+def test_hidelta_inverts_and_needs_only_bits_15_to_31(n, seed, scale):
+    """numpy and torch paths write the same residual; decoding restores every bit pattern (NaN,
+    infinities, signed zeros, sign flips), whatever bits 0..14 of the reference hold."""
+    from ckptzip.transforms import refs
+    from ckptzip.transforms.refs import HiDelta
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 2**32, n, dtype=np.uint32)
+    with np.errstate(all="ignore"):  # (random bit patterns: NaN and infinity included)
+        x = (b.view(np.float32) * np.float32(1 + scale * rng.standard_normal(n))).view(np.uint32).copy()
+    x[::5] = rng.integers(0, 2**32, x[::5].shape, dtype=np.uint32)
+    bt, xt = torch.from_numpy(b.view(np.uint8).copy()), torch.from_numpy(x.view(np.uint8).copy())
+    enc = HiDelta(0, 0).bind(bt).encode(xt)
+    refs._TORCH_ON_CPU = True
+    try:
+        enc_t = HiDelta(0, 0).bind(bt).encode(xt)
+        back_t = torch.empty_like(xt)
+        HiDelta(0, 0).bind(bt).decode(enc, back_t)
+    finally:
+        refs._TORCH_ON_CPU = False
+    assert torch.equal(enc, enc_t) and torch.equal(back_t, xt)
+    noisy = torch.from_numpy(((b & np.uint32(0xFFFF8000)) | rng.integers(0, 1 << 15, n, dtype=np.uint32))
+                             .view(np.uint8).copy())
+    back = torch.empty_like(xt)
+    HiDelta(0, 0).bind(noisy).decode(enc, back)
+    assert torch.equal(back, xt)
+
+
+def test_plane_subset_and_plane_rows():
+    """PlaneSubset rebuilds bits 15..31 of every word from planes 0, 2, 3 (numpy and torch
+    paths); plane_rows picks those planes' chunks, and refuses chunks that span two planes."""
+    from ckptzip.format import ROW
+    from ckptzip.transforms.byteplane import BytePlane, PlaneSubset, plane_rows
+    g = torch.Generator().manual_seed(7)
+    n, block = 10_000, 4096
+    x = torch.randint(0, 256, (4 * n,), dtype=torch.uint8, generator=g)
+    bp = BytePlane(4, block)
+    enc = bp.encode(x)
+    segs = bp.segments(4 * n)
+    part = torch.cat([enc[o:o + m] for k, (o, m) in enumerate(segs) if k % 4 != 1])
+    for torch_ops in (False, True):
+        dst = torch.zeros_like(x)
+        PlaneSubset(block)._decode(part, dst, torch_ops)
+        mask = np.uint32(0xFFFF8000)
+        assert ((dst.numpy().view(np.uint32) ^ x.numpy().view(np.uint32)) & mask == 0).all()
+    # chunks: each plane of each block in two pieces
+    sizes = [p for _o, m in segs for p in (m // 2, m - m // 2)]
+    rows = np.zeros(len(sizes), ROW)
+    rows["raw"] = sizes
+    rows["offset"] = np.arange(len(sizes))
+    got = plane_rows(rows, bp, 4 * n, PlaneSubset.planes)
+    assert got["raw"].sum() == 3 * n and len(got) == 2 * 3 * len(segs) // 4
+    assert (got["offset"] // 2 % 4 != 1).all()
+    bad = np.zeros(2, ROW)
+    bad["raw"] = [segs[0][1] + 1, 4 * n - segs[0][1] - 1]
+    assert plane_rows(bad, bp, 4 * n, PlaneSubset.planes) is None
+
+
+def test_hidelta_load_reads_three_planes_of_its_base(tmp_path, monkeypatch):
+    """An incremental load decodes the base's float32 storages from planes 0, 2 and 3 only: a
+    damaged plane-1 chunk of the base is not read (the base's own verify() finds it), a damaged
+    plane-3 chunk is a ChecksumError; the result is bit-exact."""
+    from ckptzip.transforms import byteplane
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(300_000, generator=g) * 0.02
+    s1 = {"w": w}
+    s2 = {"w": w + 1e-6 * torch.randn(300_000, generator=g)}
+    a, b = tmp_path / "a.ckz", tmp_path / "b.ckz"
+    ckptzip.save(s1, a, codec="zstd")
+    ckptzip.save(s2, b, base=a)
+    assert transforms_of(b)[0][0] == "hidelta"
+    used = []
+    orig = byteplane.PlaneSubset.decode
+    monkeypatch.setattr(byteplane.PlaneSubset, "decode", lambda self, s, d: (used.append(s.numel()), orig(self, s, d)))
+    assert_same(ckptzip.load(b), s2)
+    assert sum(used) == 3 * 300_000
+    with ckptzip.open(a) as r:
+        tf = r.storages[0]["transforms"][0]
+        first, count = r.storages[0]["rows"]
+        rows = r.manifest.rows[first:first + count]
+    raw = rows["raw"].astype(np.int64)
+    starts = np.cumsum(raw) - raw
+    plane = (starts % (tf["block"] * 4)) // np.minimum(tf["block"], 300_000 - starts // (tf["block"] * 4) * tf["block"])
+    data = bytearray(a.read_bytes())
+    k1 = int(np.nonzero(plane == 1)[0][0])
+    data[int(rows["offset"][k1])] ^= 0xFF
+    a.write_bytes(bytes(data))
+    assert_same(ckptzip.load(b), s2)  # plane 1 is not read
+    with pytest.raises(ckptzip.ChecksumError):
+        ckptzip.open(a).verify()
+    k3 = int(np.nonzero(plane == 3)[0][0])
+    data[int(rows["offset"][k3])] ^= 0xFF
+    a.write_bytes(bytes(data))
+    with pytest.raises(ckptzip.ChecksumError):
+        ckptzip.load(b)
+
+
+def test_hidelta_base_storage_another_base_storage_refers_to(tmp_path):
+    """A base float32 storage that the base's own bf16 copy is derived from is decoded whole
+    (not from three planes) when the incremental file needs both: bit-exact."""
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(200_000, generator=g) * 0.02
+    s1 = {"w": w, "w_bf16": w.bfloat16()}
+    s2 = {"w": w + 1e-6 * torch.randn(200_000, generator=g),
+          "w_bf16": (w.bfloat16().float() + 1e-4 * torch.randn(200_000, generator=g)).bfloat16()}
+    a, b = tmp_path / "a.ckz", tmp_path / "b.ckz"
+    ckptzip.save(s1, a)
+    assert transforms_of(a)[1][0] == "derived"
+    ckptzip.save(s2, b, base=a)
+    tfs = transforms_of(b)
+    assert tfs[0][0] == "hidelta" and tfs[1][0] == "delta"
+    assert_same(ckptzip.load(b), s2)

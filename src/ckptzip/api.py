@@ -20,6 +20,8 @@ from .storage import (FileObjectSource, RemoteSource, is_file_object, is_url, lo
                       pread_into)
 from .incremental import chain as _chain
 from .incremental import manifest_sha256, open_base
+from .transforms.byteplane import BytePlane, PlaneSubset, plane_rows
+from .transforms.refs import HiDelta
 from .tree import Decoder, contiguous_stride, tensor_keys, tensor_nodes
 
 Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
@@ -355,7 +357,7 @@ class CheckpointReader:
         # files or levels; the GPU runs them in stream order); then every level of this file
         pre: list[Job] = []
         pre_breaks: list[int] = []
-        xors = [jobs[i] for i in order if jobs[i].ref is not None and jobs[i].ref.wire_id in ("xor", "delta")]
+        xors = [jobs[i] for i in order if jobs[i].ref is not None and jobs[i].ref.against_base]
         if xors:
             base = self.base_reader()
             first: dict[int, torch.Tensor] = {}
@@ -375,9 +377,17 @@ class CheckpointReader:
                         j.out.copy_(first[j.ref.storage])
             else:
                 pre, pre_breaks = base._plan_fill(first)
+                partial = {id(j.out) for j in xors if isinstance(j.ref, HiDelta)}
+                # (not where another base storage refers to it: a derived one needs all its bits)
+                partial -= {id(j.ref.ref) for j in pre if j.ref is not None and j.ref.local}
                 for j in pre:
                     if j.fd is None:
                         j.fd = base._fd
+                    if id(j.out) in partial and j.ref is None and isinstance(j.tf, BytePlane) and j.tf.width == 4:
+                        # hidelta needs bits 15..31 of its base's words: planes 0, 2 and 3 only
+                        rows = plane_rows(j.rows, j.tf, j.out.numel(), PlaneSubset.planes)
+                        if rows is not None:
+                            j.rows, j.tf = rows, PlaneSubset(j.tf.block)
             for j in xors:
                 j.ref = j.ref.bind(j.out)  # in place: out holds the base, the residual is applied to it
         batch = [jobs[i] for i in order]

@@ -23,7 +23,7 @@ import torch
 
 from .errors import BaseCheckpointError
 from .storage import is_url
-from .transforms.refs import Delta, Xor
+from .transforms.refs import Delta, HiDelta, Xor
 from .tree import StorageRef, tensor_keys
 from .validate import MAX_CHAIN
 
@@ -127,6 +127,7 @@ def delta_candidates(root: Any, refs: list[StorageRef], base_reader: Any, skip: 
     floats of 2, 4 or 8 bytes, ``xor`` for anything else): the base storages
     are decoded (pipelined, one pass) onto the device of the storage they are compared with."""
     pairs = {i: j for i, j in xor_pairs(root, refs, base_reader).items() if i not in skip}
+    bst = base_reader.storages
     outs: dict[int, torch.Tensor] = {}
     for i, j in pairs.items():
         if j not in outs:
@@ -139,8 +140,20 @@ def delta_candidates(root: Any, refs: list[StorageRef], base_reader: Any, skip: 
         if t.device != refs[i].data.device:
             t = t.to(refs[i].data.device)
         w = refs[i].float_width
-        res[i] = (Delta(0, j, w) if w and refs[i].data.numel() % w == 0 else Xor(0, j)).bind(t)
+        if w == 4 and refs[i].data.numel() % 4 == 0 and plain_planes(bst[j], 4):
+            rt = HiDelta(0, j)  # (a load then reads 3 of the base storage's 4 planes)
+        elif w and refs[i].data.numel() % w == 0:
+            rt = Delta(0, j, w)
+        else:
+            rt = Xor(0, j)
+        res[i] = rt.bind(t)
     return res
+
+
+def plain_planes(storage: dict[str, Any], width: int) -> bool:
+    """Whether a (validated) storage record is stored as ``byteplane`` of ``width`` alone."""
+    tfs = storage.get("transforms", [])
+    return len(tfs) == 1 and tfs[0].get("id") == "byteplane" and tfs[0].get("width") == width
 
 
 def chain(path: Any, base_dir: Any = None) -> list[str]:

@@ -146,7 +146,7 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
         out["base"] = prep.bases[0]["file"]
     refs = [p.ref.wire_id for p in prep.plans if p.ref is not None]
     if refs:
-        out["delta_storages"] = refs.count("delta") + refs.count("xor")  # against the base
+        out["delta_storages"] = refs.count("delta") + refs.count("hidelta") + refs.count("xor")  # against the base
         out["derived_storages"] = refs.count("derived")
         out["expref_storages"] = refs.count("expref")
         out["expgrid_storages"] = refs.count("expgrid")

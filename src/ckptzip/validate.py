@@ -31,10 +31,10 @@ _FLOAT_RE = re.compile(r"[0-9a-fA-F]{16}\Z")
 _SHA_RE = re.compile(r"[0-9a-f]{64}\Z")
 #: transform ids that refer to another storage (format 1.1; ``expref`` 1.2) and those this reader
 #: implements
-REF_TRANSFORMS = frozenset({"xor", "delta", "derived", "expref"})
+REF_TRANSFORMS = frozenset({"xor", "delta", "hidelta", "derived", "expref"})
 #: transforms that may only come first in a chain: the reference transforms and ``expgrid`` (1.2)
 FIRST_TRANSFORMS = REF_TRANSFORMS | {"expgrid"}
-KNOWN_TRANSFORMS = frozenset({"byteplane", "xor", "delta", "derived", "expref", "expgrid"})
+KNOWN_TRANSFORMS = frozenset({"byteplane", "xor", "delta", "hidelta", "derived", "expref", "expgrid"})
 #: at most this many bases per file (1.1 writers write one) and this many files in a chain
 MAX_BASES = 1
 MAX_CHAIN = 64
@@ -249,7 +249,7 @@ def _refs(storages: list, n_bases: int, chains: list) -> None:
         if not tfs or tfs[0]["id"] not in REF_TRANSFORMS:
             continue
         t = chains[i][0][1]  # parsed by _chain: option names and integer fields checked there
-        if t.wire_id in ("xor", "delta"):
+        if t.against_base:
             if t.base >= n_bases:
                 raise _bad(f"storage {i}: {t.wire_id} refers to base {t.base}, which does not exist")
         else:

@@ -23,7 +23,7 @@ from ..format import FLAG_STORED_RAW
 from ..io.reader import read_split, read_stored
 from ..kernels import enabled, launch, triton_kernels
 from ..transforms import RefTransform, Transform, get_transform
-from ..transforms.byteplane import np_decode_onto
+from ..transforms.byteplane import PlaneSubset, np_decode_onto
 from ..transforms.refs import Delta, fused_planes, multi_segment, planes_after_ref
 from .memory import ALIGN, HOST, PINNED, copy_segments
 from .plan import DEFAULT_WINDOW, codec_key
@@ -126,6 +126,19 @@ class Job:
     #: the file to read from (a base checkpoint's), or None: the one :func:`decode_jobs` is given
     fd: Any = None
 
+    @property
+    def stream_nbytes(self) -> int:
+        """Bytes of the transformed stream its rows hold (a :class:`PlaneSubset` holds 3 of 4)."""
+        n = self.out.numel()
+        return n // 4 * self.tf.width if isinstance(self.tf, PlaneSubset) else n
+
+    def dst(self, a: int, b: int) -> torch.Tensor:
+        """The destination bytes of stream bytes ``a:b`` (whole blocks for a :class:`PlaneSubset`)."""
+        if isinstance(self.tf, PlaneSubset):
+            k = self.tf.width
+            return self.out[a // k * 4:b // k * 4]
+        return self.out[a:b]
+
 
 def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                 progress: Callable[[int], None] | None = None, breaks: Collection[int] = ()) -> None:
@@ -142,7 +155,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     pending = False  # a break whose job had no batch (an empty storage) goes to the next batch made
     for k, job in enumerate(jobs):
         pending = pending or k in breaks
-        for i, j, a, b in batches(job.rows, job.out.numel(), job.tf, window, job.ref.word if job.ref else 1):
+        for i, j, a, b in batches(job.rows, job.stream_nbytes, job.tf, window, job.ref.word if job.ref else 1):
             items.append((job, i, j, a, b, pending))
             pending = False
     grouped: list[list] = []
@@ -360,7 +373,7 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
         todo = _untransform_multi(tk, stream, list(todo))
     for (job, i, j, a, b), pos in todo:
         part = stream[pos:pos + (b - a)]
-        dst = job.out[a:b]
+        dst = job.dst(a, b)
         # (chunks decoded on the CPU for a GPU tensor: the two steps)
         fz = fused_planes(job.tf, job.ref, a, dst, start=False) if part.device == dst.device else None
         if fz is not None and fz[0].decode_ref(part, fz[1], dst, *fz[2:]):
@@ -455,7 +468,7 @@ def _cpu_untransform(stream: torch.Tensor, grp: list, starts: list[int]) -> None
     destinations, storages spread over the CPU pool's threads (numpy releases the GIL). A
     reference transform is undone last, from a scratch buffer it may overwrite (``stream`` is
     scratch whenever a group has one)."""
-    tasks = [(job.tf, job.ref, stream[pos:pos + (b - a)], job.out[a:b], a, b)
+    tasks = [(job.tf, job.ref, stream[pos:pos + (b - a)], job.dst(a, b), a, b)
              for (job, _i, _j, a, b), pos in zip(grp, starts)]
 
     def one(k: int) -> None:

@@ -13,7 +13,7 @@ TILE = 2048
 
 
 from ..transforms.refs import EXP_HALF, EXP_PRED, NAN16  # noqa: E402
-from . import DELTA, DERIVED, EXPGRID, EXPREF, HASH_MIN, PLAIN, XOR  # noqa: E402  (the kernels' MODE constexpr)
+from . import DELTA, DERIVED, EXPGRID, EXPREF, HASH_MIN, HIDELTA, PLAIN, XOR  # noqa: E402  (the kernels' MODE constexpr)
 #: ``expref``'s masks (transforms/refs.py), as constants a kernel may read
 _EXP_HALF = tl.constexpr(EXP_HALF)
 _PRED = tl.constexpr(EXP_PRED)
@@ -38,6 +38,14 @@ def _enc(src, ref, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.co
         p = (tl.load(ref + idx, mask=mask).to(UT, bitcast=True) >> 2) & _PRED
         xe = (d >> 1) & _EXP_HALF
         d = (d ^ (xe << 1)) | (((xe - p) & _EXP_HALF) << 1)
+    elif MODE == 6:  # hidelta (32-bit words; transforms/refs.py HiDelta)
+        rb = tl.load(ref + idx, mask=mask).to(UT, bitcast=True)
+        xr = (d << 1) | (d >> 31)
+        br = (rb << 1) | (rb >> 31)
+        dh = ((xr >> 16) - (br >> 16)) & 0xFFFF
+        f = dh ^ ((dh >> 15) * 0x7FFF)
+        y = (((xr ^ br) & 1) << 31) | ((f & 0x7FFF) << 16) | (xr & 0xFFFE) | (f >> 15)
+        d = (y >> 1) | (y << 31)
     r = (d << 1) | (d >> (BITS - 1))
     b = idx // block
     j = idx - b * block
@@ -73,7 +81,39 @@ def _dec(src, ref, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.co
         p = (tl.load(ref + idx, mask=mask).to(UT, bitcast=True) >> 2) & _PRED
         xe = (d >> 1) & _EXP_HALF
         d = (d ^ (xe << 1)) | (((xe + p) & _EXP_HALF) << 1)
+    elif MODE == 6:  # hidelta: needs bits 15..31 of the reference word only
+        rb = tl.load(ref + idx, mask=mask).to(UT, bitcast=True)
+        br = (rb << 1) | (rb >> 31)
+        f = ((r >> 16) & 0x7FFF) | ((r & 1) << 15)
+        dh = f ^ ((f >> 15) * 0x7FFF)
+        xr = ((((br >> 16) + dh) & 0xFFFF) << 16) | (r & 0xFFFE) | ((br & 1) ^ (r >> 31))
+        d = (xr >> 1) | (xr << 31)
     tl.store(dst + idx, d, mask=mask)
+
+
+@triton.jit
+def _dec_part(src, dst, n, block, TILE: tl.constexpr):
+    """Words from planes 0, 2 and 3 of ``byteplane`` width 4 (each block of the stream: those
+    three planes; plane 1 is taken as zeros), rotation undone: bits 15..31 of each word are
+    exact, which is what ``hidelta`` reads of its reference."""
+    idx = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    mask = idx < n
+    b = idx // block
+    j = idx - b * block
+    m = tl.minimum(block, n - b * block)
+    base = b * block * 3 + j
+    r = tl.load(src + base, mask=mask).to(tl.uint32)
+    r = r | (tl.load(src + base + m, mask=mask).to(tl.uint32) << 16)
+    r = r | (tl.load(src + base + 2 * m, mask=mask).to(tl.uint32) << 24)
+    tl.store(dst + idx, (r >> 1) | (r << 31), mask=mask)
+
+
+def decode_part(src: torch.Tensor, dst: torch.Tensor, block: int) -> None:
+    """:func:`_dec_part` of ``src`` (whole blocks of 3 planes each, flat uint8) into ``dst``
+    (flat uint8, 4/3 of its size, word-aligned)."""
+    n = src.numel() // 3
+    if n:
+        _dec_part[(triton.cdiv(n, TILE),)](src, dst.view(torch.int32), n, block, TILE=TILE)
 
 
 def _launch(kernel, src: torch.Tensor, ref: torch.Tensor, dst: torch.Tensor, n: int, width: int, block: int,
@@ -98,7 +138,7 @@ def decode(src: torch.Tensor, dst: torch.Tensor, width: int, block: int) -> None
 
 
 def _check_mode(mode: int, width: int) -> None:
-    if mode not in (XOR, DELTA, EXPREF) or (mode == EXPREF and width != 4):
+    if mode not in (XOR, DELTA, EXPREF, HIDELTA) or (mode in (EXPREF, HIDELTA) and width != 4):
         raise ValueError(f"no fused kernel for mode {mode} at width {width}")
 
 

@@ -262,3 +262,68 @@ def np_decode_onto(src: np.ndarray, dst: np.ndarray, ref: np.ndarray, w: int, b:
             else:
                 np.bitwise_xor(r[s:e], qq, out=d[s:e])
     _np_run(run, _np_steps(n, w, b), src.size)
+
+
+class PlaneSubset:
+    """Some byte planes of a ``byteplane`` width-4 storage, read without the others (not a wire
+    transform: a reader's partial decode of a base storage for ``hidelta``, format 1.3). The
+    stream holds, per block, ``planes`` (0, 2, 3) of its words, ``width`` (3) bytes per word;
+    :meth:`decode` writes whole 4-byte words, plane 1 taken as zeros and the rotation undone, so
+    bits 15..31 of each word are exact. ``Job.dst`` maps stream bytes to destination bytes."""
+
+    planes = (0, 2, 3)
+    width = 3
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+
+    def decode(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        n = src.numel() // 3
+        if not n:
+            return
+        tk = triton_kernels(start=False) if src.is_cuda and dst.is_cuda else None
+        if tk is not None and dst.data_ptr() % 4 == 0:
+            return tk.decode_part(src, dst, self.block)
+        self._decode(src, dst, src.device.type != "cpu" or dst.device.type != "cpu")
+
+    def _decode(self, src: torch.Tensor, dst: torch.Tensor, torch_ops: bool) -> None:
+        """Block by block, with numpy or (``torch_ops``: a GPU without the Triton kernels) torch."""
+        n, b = src.numel() // 3, self.block
+        for s in range(0, n, b):
+            m = min(b, n - s)
+            p = src[3 * s:3 * (s + m)]
+            if not torch_ops:
+                pn = p.numpy()
+                r = pn[:m].astype(np.uint32)
+                r |= pn[m:2 * m].astype(np.uint32) << 16
+                r |= pn[2 * m:].astype(np.uint32) << 24
+                dst[4 * s:4 * (s + m)].numpy().view(np.uint32)[:] = (r >> 1) | (r << 31)
+            else:
+                p = p.to(dst.device).to(torch.int64)
+                r = p[:m] | (p[m:2 * m] << 16) | (p[2 * m:] << 24)
+                r = (r >> 1) | ((r & 1) << 31)
+                w = torch.where(r >= 1 << 31, r - (1 << 32), r).to(torch.int32)
+                dst[4 * s:4 * (s + m)].copy_(w.view(torch.uint8))
+
+
+def plane_rows(rows: np.ndarray, tf: BytePlane, nbytes: int, planes: tuple[int, ...]) -> np.ndarray | None:
+    """The chunk rows of a ``byteplane`` storage (``rows``: its chunk table slice, in order)
+    that hold ``planes`` of every block, in stream order; None where a chunk spans two planes
+    (the format lets writers cut chunks anywhere: the reader then decodes every plane)."""
+    w, b = tf.width, tf.block
+    n = nbytes // w
+    if not n or not len(rows):
+        return None
+    raw = rows["raw"].astype(np.int64)
+    ends = np.cumsum(raw)
+    starts = ends - raw
+    # the plane segment of a stream position p: its block k (k * b * w) and plane (within m words)
+    def plane_of(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        k = p // (b * w)
+        m = np.minimum(b, n - k * b)
+        return k, (p - k * b * w) // m
+    k0, q0 = plane_of(starts)
+    k1, q1 = plane_of(ends - 1)
+    if (k0 != k1).any() or (q0 != q1).any():
+        return None
+    return rows[np.isin(q0, planes)]
