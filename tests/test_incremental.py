@@ -359,7 +359,15 @@ def incr(tmp_path):
     (lambda d: d["bases"][0].update(depth=65), "depth"),
     (lambda d: d["bases"][0].update(sha256="zz"), "sha256"),
     (lambda d: d["bases"][0].update(file="/etc/passwd"), "relative"),
-    (lambda d: d["bases"][0].pop("size"), "exactly"),
+    (lambda d: d["bases"][0].pop("size"), "must have file, sha256, size and depth"),
+    (lambda d: d["bases"][0].pop("chains"), "storages with chains"),
+    (lambda d: d["bases"][0].update(extra=1), "must have file"),
+    (lambda d: d["bases"][0]["chains"][0].update(transforms=[{"id": "xor", "ref": {"base": 0, "storage": 0}}]),
+     "only byteplane"),
+    (lambda d: d["bases"][0]["chains"][0].update(codec={"id": "zstd", "level": 3}), "zstd"),
+    (lambda d: d["bases"][0]["storages"][0].__setitem__(3, 99), "storages entry"),
+    (lambda d: d["bases"][0]["storages"].append(d["bases"][0]["storages"][0]), "storages entry"),
+    (lambda d: d["bases"][0]["storages"][0].__setitem__(1, -1), "storages entry"),
     (lambda d: d.update(bases=[d["bases"][0], d["bases"][0]]), "at most"),
     (lambda d: d.pop("bases"), "base 0, which does not exist"),
 ])
@@ -368,8 +376,45 @@ def test_validation_of_bases(incr, tmp_path, edit, err):
     edit(doc)
     q = tmp_path / "bad.ckz"
     write_parts(q, data, doc, rows)
-    with pytest.raises(ckptzip.CorruptFileError, match=err):
+    with pytest.raises((ckptzip.CorruptFileError, ckptzip.UnknownCodecError), match=err):
         ckptzip.open(q)
+
+
+def test_located_base_storages_are_checked_against_the_base(tmp_path):
+    """Format 1.3 base records locate the base storages the file needs (no parse of the base's
+    document); a location beyond the base's chunk table, or chunks that do not add up to the
+    storage, is a CorruptFileError; a missing or replaced base is still a BaseCheckpointError."""
+    import ckptzip.api as api
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(100_000, generator=g) * 0.02
+    s1, s2 = {"w": w, "v": w.clone()}, {"w": w + 1e-6, "v": w * 1.00001}
+    a, b, q = tmp_path / "a.ckz", tmp_path / "b.ckz", tmp_path / "q.ckz"
+    ckptzip.save(s1, a)
+    ckptzip.save(s2, b, base=a)
+    data, doc, rows = read_parts(b)
+    assert [r[0] for r in doc["bases"][0]["storages"]] == [0, 1] and doc["version"] == [1, 3]
+    opened = []
+    real = api.open_base
+    try:
+        api.open_base = lambda *x, **k: (opened.append(1), real(*x, **k))[1]
+        assert_same(ckptzip.load(b), s2)
+    finally:
+        api.open_base = real
+    assert not opened  # the base's document was not read
+    for edit in (lambda h: h.__setitem__(1, 10_000), lambda h: h.__setitem__(2, h[2] - 1)):
+        _, doc, _ = read_parts(b)
+        edit(doc["bases"][0]["storages"][0])
+        write_parts(q, data, doc, rows)
+        with pytest.raises(ckptzip.CorruptFileError, match="base storage 0"):
+            ckptzip.load(q)
+    shutil.copy(a, tmp_path / "a.bak")
+    ckptzip.save({"w": w * 2, "v": w}, a)
+    with pytest.raises(ckptzip.BaseCheckpointError, match="altered or replaced"):
+        ckptzip.load(b)
+    os.remove(a)
+    with pytest.raises(ckptzip.BaseCheckpointError, match="missing"):
+        ckptzip.load(b)
+    assert_same(ckptzip.load(b, base_path=tmp_path / "a.bak"), s2)
 
 
 def _derived_file(tmp_path):

@@ -19,7 +19,7 @@ from .pipeline import prepare, write
 from .storage import (FileObjectSource, RemoteSource, is_file_object, is_url, local_path, open_regular,
                       pread_into)
 from .incremental import chain as _chain
-from .incremental import manifest_sha256, open_base
+from .incremental import manifest_sha256, open_base, open_base_file
 from .transforms.byteplane import BytePlane, PlaneSubset, plane_rows
 from .transforms.refs import HiDelta
 from .tree import Decoder, contiguous_stride, tensor_keys, tensor_nodes
@@ -149,6 +149,7 @@ class CheckpointReader:
                  _depth: int = 0) -> None:
         self._fd = None
         self._base = None
+        self._base_file = None  # (format 1.3: the base opened for the storages this file's record locates)
         self._depth = _depth
         self.base_dir, self.base_path = base_dir, base_path
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool)
@@ -275,15 +276,20 @@ class CheckpointReader:
         """A job that decodes storage ``i`` into ``out``; a reference transform comes back unbound
         (see :meth:`_fill`)."""
         s = self.storages[i]
+        first, count = s["rows"]
+        chain = self.manifest.chains[i] if self.manifest.chains is not None else None
+        return self._job_of(s, self.manifest.rows[first:first + count], out, chain)
+
+    def _job_of(self, s: dict[str, Any], rows: np.ndarray, out: torch.Tensor, chain: list | None = None) -> Job:
+        """A job for storage record ``s`` (of this file, or located in a base by this file's
+        record) whose chunk rows are ``rows``: decoded where ``out`` is, or where the caller said."""
         if self.decode_device is None and out.device.type != "cuda" and self._gpu is None:
             self._gpu = gpu_ok()
         work = self.decode_device or ("cuda" if out.device.type == "cuda" or self._gpu else "cpu")
-        chain = self.manifest.chains[i] if self.manifest.chains is not None else None
         ref, tf, codec = storage_chain(s, work, self._chains, chain)
         if not codec.safe_on_forged and self.decode_device is None:
             ref, tf, codec = storage_chain(s, "cpu", self._chains, chain)  # (Codec.safe_on_forged)
-        first, count = s["rows"]
-        return Job(self.manifest.rows[first:first + count], tf, codec, out, ref)
+        return Job(rows, tf, codec, out, ref)
 
     # -- format 1.1 references: bases and derived storages ------------------------------------
     @property
@@ -358,7 +364,12 @@ class CheckpointReader:
         pre: list[Job] = []
         pre_breaks: list[int] = []
         xors = [jobs[i] for i in order if jobs[i].ref is not None and jobs[i].ref.against_base]
-        if xors:
+        located = self._located_base_jobs(xors) if xors else None
+        if located is not None:  # (format 1.3: planned from this file's record, the base's document unread)
+            pre = located
+            for j in xors:
+                j.ref = j.ref.bind(j.out)
+        elif xors:
             base = self.base_reader()
             first: dict[int, torch.Tensor] = {}
             shared = False
@@ -383,11 +394,8 @@ class CheckpointReader:
                 for j in pre:
                     if j.fd is None:
                         j.fd = base._fd
-                    if id(j.out) in partial and j.ref is None and isinstance(j.tf, BytePlane) and j.tf.width == 4:
-                        # hidelta needs bits 15..31 of its base's words: planes 0, 2 and 3 only
-                        rows = plane_rows(j.rows, j.tf, j.out.numel(), PlaneSubset.planes)
-                        if rows is not None:
-                            j.rows, j.tf = rows, PlaneSubset(j.tf.block)
+                    if id(j.out) in partial:
+                        _planes_only(j)
             for j in xors:
                 j.ref = j.ref.bind(j.out)  # in place: out holds the base, the residual is applied to it
         batch = [jobs[i] for i in order]
@@ -398,6 +406,34 @@ class CheckpointReader:
         if pre:
             breaks = pre_breaks + [len(pre)] + [len(pre) + k for k in breaks]
         return pre + batch, breaks
+
+    def _located_base_jobs(self, xors: list[Job]) -> list[Job] | None:
+        """The base's jobs for ``xors`` (storages against the base) planned from this file's
+        base record (format 1.3 ``storages``/``chains``), the base opened as a
+        :class:`~ckptzip.incremental.BaseFile`; None where the record does not locate every one
+        of them, two share a base storage, or the base is not a local file (the caller then
+        opens the base as a reader)."""
+        if self._base_file is None:
+            if not self.bases or "storages" not in self.bases[0]:
+                return None
+            hints = {r[0] for r in self.bases[0]["storages"]}
+            if any(j.ref.storage not in hints for j in xors) or len({j.ref.storage for j in xors}) < len(xors):
+                return None
+            self._base_file = open_base_file(self, self.base_dir, self.base_path)
+            if self._base_file is None:
+                return None
+        bf = self._base_file
+        jobs = []
+        for j in xors:
+            got = bf.storage(j.ref.storage, j.out.numel())
+            if got is None or len({x.ref.storage for x in xors}) < len(xors):
+                return None
+            job = self._job_of(got[1], got[0], j.out)
+            job.fd = bf.fd
+            if isinstance(j.ref, HiDelta):
+                _planes_only(job)
+            jobs.append(job)
+        return jobs
 
     def _mapped(self, i: int, out: torch.Tensor) -> torch.Tensor:
         """torch.load's convention: ``map_location(storage, location)`` gets the storage
@@ -529,6 +565,9 @@ class CheckpointReader:
         if getattr(self, "_base", None) is not None:
             self._base.close()
             self._base = None
+        if getattr(self, "_base_file", None) is not None:
+            self._base_file.close()
+            self._base_file = None
         if getattr(self, "_fd", None) is None:
             return
         if self._remote:
@@ -548,6 +587,16 @@ class CheckpointReader:
             self.close()
         except Exception:
             pass
+
+
+def _planes_only(job: Job) -> None:
+    """Turn a job that decodes a plain ``byteplane`` width-4 base storage for ``hidelta``
+    (which needs bits 15..31 of each word) into one that reads planes 0, 2 and 3 only, where
+    its chunks hold whole planes."""
+    if job.ref is None and isinstance(job.tf, BytePlane) and job.tf.width == 4:
+        rows = plane_rows(job.rows, job.tf, job.out.numel(), PlaneSubset.planes)
+        if rows is not None:
+            job.rows, job.tf = rows, PlaneSubset(job.tf.block)
 
 
 def open(path: Any, **kwargs: Any) -> CheckpointReader:  # noqa: A001

@@ -111,18 +111,7 @@ def parse_manifest(raw: bytes, digest: int, data_end: int) -> Manifest:
     tstart = 4 + jlen + (-(4 + jlen)) % 8
     _need(_is_int(n) and n >= 0 and tstart + n * ROW.itemsize == len(raw), "chunk table size")
     rows = np.frombuffer(raw, dtype=ROW, count=n, offset=tstart) if n else np.zeros(0, ROW)
-    if n:
-        off = rows["offset"].astype(np.uint64)
-        stored = rows["stored"].astype(np.uint64)
-        # compare without overflow: offset first, then the room left after it
-        _need(bool(np.all(off >= HEADER_SIZE)) and bool(np.all(off <= data_end)), "chunk outside the data section")
-        _need(bool(np.all(stored <= np.uint64(data_end) - off)), "chunk outside the data section")
-        _need(bool(np.all(rows["raw"] >= 1)) and bool(np.all(rows["raw"] <= MAX_CHUNK)), "chunk raw size")
-        _need(bool(np.all(rows["stored"] >= 1)) and bool(np.all(rows["stored"] <= rows["raw"])),
-              "chunk stored size")
-        _need(bool(np.all(rows["flags"] <= FLAG_STORED_RAW)), "chunk flags")
-        raw_flag = rows["flags"] == FLAG_STORED_RAW
-        _need(bool(np.all(rows["stored"][raw_flag] == rows["raw"][raw_flag])), "raw chunk sizes")
+    check_rows(rows, data_end)
     _need(isinstance(doc.get("meta", {}), dict), "meta")
     storages = doc.get("storages")
     _need(isinstance(storages, list), "storages")
@@ -161,3 +150,21 @@ def parse_manifest(raw: bytes, digest: int, data_end: int) -> Manifest:
     chains: list = []
     total = validate_document(doc, n, chains)
     return Manifest(doc, rows, data_end, total, chains)
+
+
+def check_rows(rows: np.ndarray, data_end: int) -> None:
+    """Chunk-table rows: inside the data section (``16 <= offset``, ``offset + stored <=
+    data_end``), sizes and flags valid (docs/format.md)."""
+    if not len(rows):
+        return
+    off = rows["offset"].astype(np.uint64)
+    stored = rows["stored"].astype(np.uint64)
+    # compare without overflow: offset first, then the room left after it
+    _need(bool(np.all(off >= HEADER_SIZE)) and bool(np.all(off <= data_end)), "chunk outside the data section")
+    _need(bool(np.all(stored <= np.uint64(data_end) - off)), "chunk outside the data section")
+    _need(bool(np.all(rows["raw"] >= 1)) and bool(np.all(rows["raw"] <= MAX_CHUNK)), "chunk raw size")
+    _need(bool(np.all(rows["stored"] >= 1)) and bool(np.all(rows["stored"] <= rows["raw"])),
+          "chunk stored size")
+    _need(bool(np.all(rows["flags"] <= FLAG_STORED_RAW)), "chunk flags")
+    raw_flag = rows["flags"] == FLAG_STORED_RAW
+    _need(bool(np.all(rows["stored"][raw_flag] == rows["raw"][raw_flag])), "raw chunk sizes")

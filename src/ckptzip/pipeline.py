@@ -70,11 +70,13 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
     bases = None
     if base is not None:
         from .api import CheckpointReader
-        from .incremental import delta_candidates, record_for
+        from .incremental import add_hints, delta_candidates, record_for
         base = os.fspath(base)
         with CheckpointReader(base) as br:
             bases = [record_for(br, base, target)]
-            ref_tfs.update(delta_candidates(root, enc.storages, br, skip=set(ref_tfs)))
+            cands = delta_candidates(root, enc.storages, br, skip=set(ref_tfs))
+            add_hints(bases[0], br, [rt.storage for rt in cands.values()])
+            ref_tfs.update(cands)
     for i, g in grid.items():  # Adam's v: expgrid, or the better of delta and expgrid
         if i in ref_tfs:
             alt[i] = g
@@ -92,7 +94,8 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
     counts = [0] * len(prep.plans)
     with open_for_write(path, fsync=fsync) as f:
         # the lowest minor the file's features need (docs/format.md): 1 for bases, else its transforms'
-        minor = max([p.ref.minor for p in prep.plans if p.ref is not None] + [1 if prep.bases else 0])
+        minor = max([p.ref.minor for p in prep.plans if p.ref is not None] + [1 if prep.bases else 0]
+                    + [3 if prep.bases and "storages" in prep.bases[0] else 0])  # (1.3: base hints)
         f.write(pack_header(minor))
         w = ChunkWriter(f, HEADER_SIZE, writeback=fsync)
         try:

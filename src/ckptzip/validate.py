@@ -224,8 +224,10 @@ def _bases(doc: dict[str, Any]) -> int:
     if not isinstance(bases, list) or len(bases) > MAX_BASES:
         raise _bad(f"bases must be a list of at most {MAX_BASES} records")
     for k, b in enumerate(bases):
-        if not isinstance(b, dict) or set(b) != {"file", "sha256", "size", "depth"}:
-            raise _bad(f"base {k} must have exactly file, sha256, size and depth")
+        if (not isinstance(b, dict) or not {"file", "sha256", "size", "depth"} <= set(b)
+                or set(b) - {"file", "sha256", "size", "depth", "storages", "chains"}
+                or ("storages" in b) != ("chains" in b)):
+            raise _bad(f"base {k} must have file, sha256, size and depth, and may have storages with chains")
         f = b["file"]
         if (not isinstance(f, str) or not f or len(f) > 4096 or "\0" in f or "\\" in f
                 or f.startswith("/") or ":" in f.split("/")[0]):
@@ -236,7 +238,35 @@ def _bases(doc: dict[str, Any]) -> int:
             raise _bad(f"base {k} size")
         if not _is_int(b["depth"]) or not 1 <= b["depth"] <= MAX_CHAIN:
             raise _bad(f"base {k} depth must be 1..{MAX_CHAIN} (the longest chain of bases a reader follows)")
+        if "storages" in b:
+            _base_hints(k, b)
     return len(bases)
+
+
+def _base_hints(k: int, b: dict[str, Any]) -> None:
+    """A base record's ``storages`` (``[j, first, count, chain]``, ``j`` increasing) and
+    ``chains`` (``{"transforms", "codec"}``: at most a ``byteplane``), format 1.3. Ranges in the
+    base's chunk table are checked against that table when it is read."""
+    chains, rows = b["chains"], b["storages"]
+    if not isinstance(chains, list) or not isinstance(rows, list) or len(chains) > len(rows):
+        raise _bad(f"base {k} storages/chains")
+    for c, ch in enumerate(chains):
+        if not isinstance(ch, dict) or set(ch) != {"transforms", "codec"}:
+            raise _bad(f"base {k} chain {c} must have exactly transforms and codec")
+        tfs, codec = ch["transforms"], ch["codec"]
+        if (not isinstance(tfs, list) or len(tfs) > 1 or not isinstance(codec, dict)
+                or not isinstance(codec.get("id"), str)):
+            raise _bad(f"base {k} chain {c}")
+        if tfs and (not isinstance(tfs[0], dict) or tfs[0].get("id") != "byteplane"):
+            raise _bad(f"base {k} chain {c}: only byteplane (or nothing) may precede the codec")
+        _chain(-1, codec, tfs)
+    last = -1
+    for r in rows:
+        if (not isinstance(r, list) or len(r) != 4 or not all(_is_int(x) and x >= 0 for x in r)
+                or r[0] <= last or r[3] >= len(chains)):
+            raise _bad(f"base {k} storages entry {str(r)[:60]} ([storage, first row, row count, chain], "
+                       f"storages increasing)")
+        last = r[0]
 
 
 def _refs(storages: list, n_bases: int, chains: list) -> None:

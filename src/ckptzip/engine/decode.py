@@ -388,8 +388,8 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
             if dst.device.type == work:
                 job.tf.decode(part, dst)
             else:
-                tmp = torch.empty_like(part)
-                job.tf.decode(part, tmp)
+                tmp = torch.empty(dst.numel(), dtype=torch.uint8, device=part.device)  # (a PlaneSubset's
+                job.tf.decode(part, tmp)  # destination is 4/3 of its stream)
                 dst.copy_(tmp)
         else:
             dst.copy_(part)
