@@ -20,7 +20,7 @@ def test_fixtures_present():
     assert {"v1_auto_cpu.ckz", "v1_zstd_cpu.ckz", "v1_raw.ckz", "v1_deflate_cpu.ckz",
             "v11_base_cpu.ckz", "v11_incr_cpu.ckz", "v12_expref_cpu.ckz", "v12_expref_ans_gpu.ckz",
             "v12_expgrid_cpu.ckz", "v12_expgrid_ans_gpu.ckz", "v12_portable_gpu.ckz",
-            "v13_hidelta_cpu.ckz"} <= names
+            "v13_hidelta_cpu.ckz", "v13_hidelta_zstd_gpu.ckz"} <= names
 
 
 def test_expected_digests_match_generator():
@@ -65,7 +65,7 @@ def test_v11_pair_uses_the_new_transforms(tmp_path):
     assert_same(ckptzip.load(tmp_path / "incr.ckz", base_dir=HERE), golden_object_next())
 
 
-@pytest.mark.parametrize("name", ["v13_hidelta_cpu.ckz"])
+@pytest.mark.parametrize("name", ["v13_hidelta_cpu.ckz", "v13_hidelta_zstd_gpu.ckz"])
 def test_v13_files_use_hidelta(name):
     """Format 1.3 (written on a CPU, and on a GPU by the Triton kernel, both zstd): the float32
     weights as ``hidelta`` against the 1.1 base's plain byteplane storage, decoded on the CPU

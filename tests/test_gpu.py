@@ -746,21 +746,24 @@ def test_plane_subset_kernel_matches_torch(n, block):
     assert torch.equal(got.view(torch.int32) & m, x.view(torch.int32) & m)
 
 
-def test_hidelta_incremental_on_gpu_bit_exact(tmp_path):
+@pytest.mark.parametrize("off", [(), ("decode_multi",), ("decode_multi", "fused")])
+def test_hidelta_incremental_on_gpu_bit_exact(tmp_path, monkeypatch, off):
     """An incremental save of CUDA float32 weights uses hidelta; loading it onto the GPU decodes
-    the base's planes 0, 2, 3 (Triton) and the residual (fused kernel): bit-exact, and the same
-    as the CPU load of the same file."""
-    from ckptzip.kernels import triton_kernels
-    triton_kernels(wait=True)
+    the base's planes 0, 2, 3 and the residuals, through the multi-segment kernels (PARTIAL,
+    HIDELTA), the one-storage kernels, or torch: bit-exact every way."""
+    import ckptzip.kernels as kernels
+    kernels.triton_kernels(wait=True)
     g = torch.Generator(device="cuda").manual_seed(5)
     w = torch.randn(3 << 20, device="cuda", generator=g) * 0.02
-    s1 = {"w": w, "small": w[:1000].clone()}
-    s2 = {"w": w + 1e-6 * torch.randn(w.shape, device="cuda", generator=g), "small": w[:1000] * 1.0001}
+    s1 = {"w": w, "small": w[:1000].clone(), "odd": w[:777].clone()}
+    s2 = {"w": w + 1e-6 * torch.randn(w.shape, device="cuda", generator=g), "small": w[:1000] * 1.0001,
+          "odd": -w[:777]}
     a, b = tmp_path / "a.ckz", tmp_path / "b.ckz"
     ckptzip.save(s1, a)
     ckptzip.save(s2, b, base=a)
     with ckptzip.open(b) as r:
-        assert r.storages[0]["transforms"][0]["id"] == "hidelta"
+        assert r.storages[0]["transforms"][0]["id"] == "hidelta" and "storages" in r.base
+    monkeypatch.setattr(kernels, "_OFF", set(off))
     back = ckptzip.load(b, map_location="cuda")
     for k in s2:
         assert torch.equal(back[k].view(torch.int32), s2[k].view(torch.int32)), k

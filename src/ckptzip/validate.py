@@ -173,9 +173,19 @@ def _storage(i: int, s: Any, seen: dict | None = None) -> tuple[int, list]:
     tfs = s.get("transforms", [])
     if not isinstance(tfs, list):
         raise _bad(f"storage {i} transforms")
-    key = (repr(codec), repr(tfs)) if seen is not None else None
-    parsed = seen.get(key) if key is not None else None
-    if parsed is None:
+    # storages share a few chains, but a reference transform's "ref" differs per storage: the
+    # cache key leaves it out, and a hit parses only that first transform again (its ints checked)
+    ref = tfs[0].get("ref") if tfs and isinstance(tfs[0], dict) and isinstance(tfs[0].get("ref"), dict) else None
+    key = None
+    if seen is not None:
+        key = (repr(codec), repr(tfs) if ref is None else repr([{k: v for k, v in tfs[0].items() if k != "ref"}] + tfs[1:]))
+    hit = seen.get(key) if key is not None else None
+    if hit is not None and ref is not None and hit[0][1] is not None:
+        from .transforms import get_transform
+        parsed = [(tfs[0], get_transform(tfs[0]))] + hit[1:]
+    elif hit is not None and ref is None:
+        parsed = hit
+    else:
         parsed = _chain(i, codec, tfs)
         if key is not None:
             if len(seen) > 4096:

@@ -26,8 +26,8 @@ import threading
 #: ``expref``'s exponent prediction from a float32 reference (32-bit words only), or (multi-segment
 #: kernels only) ``derived``'s bfloat16 rounding of a float32 reference and ``expgrid``'s row +
 #: column exponent prediction; ``hidelta``'s difference of the top halves (format 1.3, 32-bit
-#: words, one-storage kernels only)
-PLAIN, XOR, DELTA, EXPREF, DERIVED, EXPGRID, HIDELTA = 0, 1, 2, 3, 4, 5, 6
+#: words); (multi-segment decode only) planes 0, 2 and 3 of 32-bit words into bits 15..31
+PLAIN, XOR, DELTA, EXPREF, DERIVED, EXPGRID, HIDELTA, PARTIAL = 0, 1, 2, 3, 4, 5, 6, 7
 #: saves: storages (windows) from this many bytes on go to the one-storage kernels where one
 #: exists (byte planes, alone or after xor / delta / expref): their aligned, vectorized accesses
 #: run faster than the multi-segment kernel's (measured on an H100: fp32 delta compress 124 GB/s

@@ -13,7 +13,7 @@ TILE = 2048
 
 
 from ..transforms.refs import EXP_HALF, EXP_PRED, NAN16  # noqa: E402
-from . import DELTA, DERIVED, EXPGRID, EXPREF, HASH_MIN, HIDELTA, PLAIN, XOR  # noqa: E402  (the kernels' MODE constexpr)
+from . import DELTA, DERIVED, EXPGRID, EXPREF, HASH_MIN, HIDELTA, PARTIAL, PLAIN, XOR  # noqa: E402  (the kernels' MODE constexpr)
 #: ``expref``'s masks (transforms/refs.py), as constants a kernel may read
 _EXP_HALF = tl.constexpr(EXP_HALF)
 _PRED = tl.constexpr(EXP_PRED)
@@ -205,6 +205,21 @@ def _against_ref(d, base, table, nseg, g, roff, idx, mask, BITS: tl.constexpr, U
         u = tl.load((base + roff).to(tl.pointer_type(tl.uint32)) + idx, mask=mask)
         c = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16)
         d = d ^ tl.where((u & 0x7FFFFFFF) > 0x7F800000, _NAN_BF16, c).to(UT)
+    elif MODE == 6:  # hidelta (32-bit words): as in _enc / _dec
+        rb = tl.load(rp + idx, mask=mask)
+        br = (rb << 1) | (rb >> 31)
+        if DECODE:
+            y = (d << 1) | (d >> 31)
+            f = ((y >> 16) & 0x7FFF) | ((y & 1) << 15)
+            dh = f ^ ((f >> 15) * 0x7FFF)
+            xr = ((((br >> 16) + dh) & 0xFFFF) << 16) | (y & 0xFFFE) | ((br & 1) ^ (y >> 31))
+            d = (xr >> 1) | (xr << 31)
+        else:
+            xr = (d << 1) | (d >> 31)
+            dh = ((xr >> 16) - (br >> 16)) & 0xFFFF
+            f = dh ^ ((dh >> 15) * 0x7FFF)
+            y = (((xr ^ br) & 1) << 31) | ((f & 0x7FFF) << 16) | (xr & 0xFFFE) | (f >> 15)
+            d = (y >> 1) | (y << 31)
     elif MODE == 3 or MODE == 5:
         if MODE == 3:
             p = (tl.load(rp + idx, mask=mask) >> 2) & _PRED
@@ -237,7 +252,13 @@ def _dec_multi(base, table, nseg, ntiles, W: tl.constexpr, BITS: tl.constexpr, U
     ``w0 + k`` of a ``cols``-column matrix from int32 row terms at ``roff`` and column terms at
     ``coff``."""
     g, soff, doff, roff, n, idx, mask = _segment(table, nseg, ntiles, TILE)
-    if PLANES:
+    if PLANES and MODE == 7:  # PARTIAL: planes 0, 2, 3 of each block (32-bit words), plane 1 as zeros
+        at, m = _planes_at(table, nseg, g, n, idx, 3)
+        r = tl.load(base + soff + at, mask=mask).to(UT)
+        r = r | (tl.load(base + soff + at + m, mask=mask).to(UT) << 16)
+        r = r | (tl.load(base + soff + at + 2 * m, mask=mask).to(UT) << 24)
+        d = (r >> 1) | (r << (BITS - 1))
+    elif PLANES:
         at, m = _planes_at(table, nseg, g, n, idx, W)
         r = tl.zeros([TILE], dtype=UT)
         for k in tl.static_range(W):
@@ -269,8 +290,10 @@ def _enc_multi(base, table, nseg, ntiles, W: tl.constexpr, BITS: tl.constexpr, U
 
 
 def _multi(kernel, base: torch.Tensor, cols_in, width: int, mode: int, planes: bool) -> None:
-    if mode not in (PLAIN, XOR, DELTA, EXPREF, DERIVED, EXPGRID) or (mode in (EXPREF, EXPGRID) and width != 4) \
-            or (mode == DERIVED and width != 2) or (mode == PLAIN and not planes):
+    if mode not in (PLAIN, XOR, DELTA, EXPREF, DERIVED, EXPGRID, HIDELTA, PARTIAL) \
+            or (mode in (EXPREF, EXPGRID, HIDELTA, PARTIAL) and width != 4) \
+            or (mode == DERIVED and width != 2) or (mode in (PLAIN, PARTIAL) and not planes) \
+            or (mode == PARTIAL and kernel is not _dec_multi):
         raise ValueError(f"no multi-segment kernel for mode {mode} at width {width}")
     nwords = np.asarray(cols_in[3], dtype=np.int64)
     keep = nwords > 0

@@ -766,7 +766,7 @@ def _chain(bp: BytePlane | None, ref: RefTransform | None) -> tuple[int, int] | 
     if isinstance(ref, ExpRef) and (bp is None or bp.width == 4):
         return EXPREF, 4
     if isinstance(ref, HiDelta) and bp is not None and bp.width == 4:
-        return HIDELTA, 4  # (one-storage kernels only)
+        return HIDELTA, 4
     if isinstance(ref, Derived) and ref.src == "float32" and ref.to == "bfloat16" and (bp is None or bp.width == 2):
         return DERIVED, 2
     return None
@@ -809,7 +809,7 @@ def multi_segment(tf: Transform | None, ref: RefTransform | None, at: int, n: in
     bp = tf if isinstance(tf, BytePlane) else None
     if tf is not None and bp is None:
         return None
-    if large_alone and n >= MULTI_MAX and bp is not None and (ref is None or isinstance(ref, (Xor, Delta, ExpRef))):
+    if large_alone and n >= MULTI_MAX and bp is not None and (ref is None or isinstance(ref, (Xor, Delta, ExpRef, HiDelta))):
         return None  # a one-storage kernel exists, and is faster on large storages
     if isinstance(ref, ExpGrid):
         if (bp is not None and bp.width != 4) or n % 4 or at % 4 or addr % 4:
@@ -820,7 +820,7 @@ def multi_segment(tf: Transform | None, ref: RefTransform | None, at: int, n: in
     if ref is not None and (ref.ref is None or not ref.ref.is_cuda or ref.ref.device != device):
         return None
     kind = _chain(bp, ref)
-    if kind is None or kind[0] == HIDELTA:
+    if kind is None:
         return None
     mode, w = kind
     if n % w or addr % w:
