@@ -664,3 +664,30 @@ def test_hidelta_base_storage_another_base_storage_refers_to(tmp_path):
     tfs = transforms_of(b)
     assert tfs[0][0] == "hidelta" and tfs[1][0] == "delta"
     assert_same(ckptzip.load(b), s2)
+
+
+def test_few_unlocatable_base_storages_are_stored_standalone(tmp_path):
+    """Storages whose base storage the record cannot locate (Adam v coded with expgrid) are
+    stored without the base where they are under 1 % of the bytes against the base, so that a
+    load does not parse the base's document; where they are more, they keep their reference."""
+    from fixtures.make_fixtures import golden_grid_object
+    g = torch.Generator().manual_seed(4)
+    for n, kept in ((2_000_000, False), (1000, True)):
+        s1 = golden_grid_object()
+        s1["model"] = {"w": torch.randn(n, generator=g) * 0.02}
+        s2 = golden_grid_object()
+        st = s2["optimizer"]["state"][0]
+        st["exp_avg_sq"] = (st["exp_avg_sq"].view(torch.int32) + 1).view(torch.float32)
+        s2["model"] = {"w": s1["model"]["w"] + 1e-6}
+        a, b = tmp_path / f"a{n}.ckz", tmp_path / f"b{n}.ckz"
+        ckptzip.save(s1, a)
+        with ckptzip.open(a) as r:
+            v = [k for k, x in r._tensor_nodes().items() if k.endswith("exp_avg_sq")][0]
+            vs = r._tensor_nodes()[v]["s"]
+            assert r.storages[vs]["transforms"][0]["id"] == "expgrid"
+        ckptzip.save(s2, b, base=a)
+        with ckptzip.open(b) as r:
+            ids = {k: r.storages[x["s"]].get("transforms", [{}])[0].get("id") for k, x in r._tensor_nodes().items()}
+        assert ids["model.w"] == "hidelta"
+        assert (ids[v] in ("delta", "xor")) == kept, ids
+        assert_same(ckptzip.load(b), s2)
