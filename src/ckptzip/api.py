@@ -422,11 +422,13 @@ class CheckpointReader:
             self._base_file = open_base_file(self, self.base_dir, self.base_path)
             if self._base_file is None:
                 return None
+        if len({x.ref.storage for x in xors}) < len(xors):
+            return None
         bf = self._base_file
         jobs = []
         for j in xors:
             got = bf.storage(j.ref.storage, j.out.numel())
-            if got is None or len({x.ref.storage for x in xors}) < len(xors):
+            if got is None:
                 return None
             job = self._job_of(got[1], got[0], j.out)
             job.fd = bf.fd

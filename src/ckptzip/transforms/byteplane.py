@@ -316,14 +316,29 @@ def plane_rows(rows: np.ndarray, tf: BytePlane, nbytes: int, planes: tuple[int, 
     n = nbytes // w
     if not n or not len(rows):
         return None
+    raws = rows["raw"].tolist()
+    key = (w, b, nbytes, tuple(planes), *raws)  # (storages of one shape share a chunk layout)
+    keep = _PLANE_ROWS.get(key)
+    if keep is None:
+        keep = _plane_rows(raws, w, b, n, planes)
+        if len(_PLANE_ROWS) > 4096:
+            _PLANE_ROWS.clear()
+        _PLANE_ROWS[key] = keep
+    return None if keep is False else rows[keep]
+
+
+_PLANE_ROWS: dict = {}
+
+
+def _plane_rows(raws: list, w: int, b: int, n: int, planes: tuple[int, ...]) -> list | bool:
     keep, pos, span = [], 0, b * w
-    for k, r in enumerate(rows["raw"].tolist()):
+    for k, r in enumerate(raws):
         blk, at = divmod(pos, span)
         m = min(b, n - blk * b)
         blk1, at1 = divmod(pos + r - 1, span)
         if blk1 != blk or at1 // m != at // m:
-            return None
+            return False
         if at // m in planes:
             keep.append(k)
         pos += r
-    return rows[keep]
+    return keep
