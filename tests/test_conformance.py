@@ -82,7 +82,8 @@ def test_codec_config_round_trip(wire, device):
 
 #: example wire configs per registered transform id (a transform without examples fails below)
 TRANSFORM_EXAMPLES = {
-    "byteplane": [{"id": "byteplane", "width": w, "block": b} for w in (2, 4, 8) for b in (1, 7, 700)],
+    "byteplane": [{"id": "byteplane", "width": w, "block": b} for w in (2, 4, 8) for b in (1, 7, 700)]
+    + [{"id": "byteplane", "width": 4, "block": b, "rotate": 16} for b in (1, 700)],
     # format 1.1 reference transforms: bound to a random reference (float32 bytes with NaNs, -0.0,
     # infinities for derived) by test_transform_inverts_and_keeps_input
     "xor": [{"id": "xor", "ref": {"base": 0, "storage": s}} for s in (0, 3)],

@@ -20,7 +20,8 @@ def test_fixtures_present():
     assert {"v1_auto_cpu.ckz", "v1_zstd_cpu.ckz", "v1_raw.ckz", "v1_deflate_cpu.ckz",
             "v11_base_cpu.ckz", "v11_incr_cpu.ckz", "v12_expref_cpu.ckz", "v12_expref_ans_gpu.ckz",
             "v12_expgrid_cpu.ckz", "v12_expgrid_ans_gpu.ckz", "v12_portable_gpu.ckz",
-            "v13_hidelta_cpu.ckz", "v13_hidelta_zstd_gpu.ckz"} <= names
+            "v13_hidelta_cpu.ckz", "v13_rot16_cpu.ckz", "v13_rot16_incr_cpu.ckz", "v13_hidelta_zstd_gpu.ckz",
+            "v13_rot16_zstd_gpu.ckz", "v13_rot16_incr_zstd_gpu.ckz"} <= names
 
 
 def test_expected_digests_match_generator():
@@ -76,6 +77,25 @@ def test_v13_files_use_hidelta(name):
         ids = [[t["id"] for t in s.get("transforms", [])] for s in r.storages]
         assert ["hidelta", "byteplane"] in ids and r.base["file"] == "v11_base_cpu.ckz"
     assert_same(ckptzip.load(path, map_location="cpu"), golden_object_next())
+
+
+@pytest.mark.parametrize("base", ["v13_rot16_cpu.ckz", "v13_rot16_zstd_gpu.ckz"])
+def test_v13_rotate16_pair(base, monkeypatch):
+    """Format 1.3 ``byteplane`` ``rotate`` 16 (the float32 weights of GPU saves): the standalone
+    file loads bit-exact, and its incremental twin decodes the base's weights from planes 2 and 3
+    only (on the CPU here)."""
+    from ckptzip.transforms import byteplane
+    path = os.path.join(HERE, base)
+    with ckptzip.open(path) as r:
+        assert {"id": "byteplane", "width": 4, "block": 4194304, "rotate": 16} in [
+            t for s in r.storages for t in s.get("transforms", [])]
+    assert_same(ckptzip.load(path, map_location="cpu"), golden_object())
+    seen = []
+    real = byteplane.PlaneSubset.decode
+    monkeypatch.setattr(byteplane.PlaneSubset, "decode", lambda self, s, d: (seen.append(self.planes), real(self, s, d)))
+    assert_same(ckptzip.load(os.path.join(HERE, base.replace("rot16", "rot16_incr")), map_location="cpu"),
+                golden_object_next())
+    assert seen and set(seen) == {(2, 3)}
 
 
 @pytest.mark.parametrize("name", ["v12_expgrid_cpu.ckz", "v12_expgrid_ans_gpu.ckz"])

@@ -751,8 +751,13 @@ def test_hidelta_incremental_on_gpu_bit_exact(tmp_path, monkeypatch, off):
     """An incremental save of CUDA float32 weights uses hidelta; loading it onto the GPU decodes
     the base's planes 0, 2, 3 and the residuals, through the multi-segment kernels (PARTIAL,
     HIDELTA), the one-storage kernels, or torch: bit-exact every way."""
+    import time
     import ckptzip.kernels as kernels
     kernels.triton_kernels(wait=True)
+    t0 = time.time()
+    while not kernels.rot16_ready() and time.time() - t0 < 120:  # (compiled after the warm-up)
+        time.sleep(0.1)
+    assert kernels.rot16_ready()
     g = torch.Generator(device="cuda").manual_seed(5)
     w = torch.randn(3 << 20, device="cuda", generator=g) * 0.02
     s1 = {"w": w, "small": w[:1000].clone(), "odd": w[:777].clone()}
@@ -761,9 +766,57 @@ def test_hidelta_incremental_on_gpu_bit_exact(tmp_path, monkeypatch, off):
     a, b = tmp_path / "a.ckz", tmp_path / "b.ckz"
     ckptzip.save(s1, a)
     ckptzip.save(s2, b, base=a)
+    with ckptzip.open(a) as r:  # GPU saves: float32 planes with rotate 16 (format 1.3)
+        assert r.storages[0]["transforms"] == [{"id": "byteplane", "width": 4, "block": r.storages[0]["transforms"][0]["block"],
+                                                "rotate": 16}]
     with ckptzip.open(b) as r:
         assert r.storages[0]["transforms"][0]["id"] == "hidelta" and "storages" in r.base
     monkeypatch.setattr(kernels, "_OFF", set(off))
-    back = ckptzip.load(b, map_location="cuda")
+    for k, v in ckptzip.load(a, map_location="cuda").items():  # (PLAIN16 through multi, one-storage, torch)
+        assert torch.equal(v.view(torch.int32), s1[k].view(torch.int32)), k
+    back = ckptzip.load(b, map_location="cuda")  # (the base's planes 2 and 3: PARTIAL16)
     for k in s2:
         assert torch.equal(back[k].view(torch.int32), s2[k].view(torch.int32)), k
+
+
+@pytest.mark.parametrize("n,block", [(1, 8), (1000, 64), (100_003, 4096), (3 << 20, 1 << 20)])
+def test_rotate16_kernels_match_cpu(n, block):
+    """``byteplane`` ``rotate`` 16: the Triton kernels (one-storage and multi-segment) and the torch
+    path on the GPU write and read the bytes of the CPU code."""
+    import time
+    import numpy as np
+    from ckptzip import kernels
+    from ckptzip.kernels import PLAIN16
+    from ckptzip.transforms import BytePlane
+    from ckptzip.transforms.byteplane import _post16
+    tk = kernels.triton_kernels(wait=True)
+    if tk is None:
+        pytest.skip("no Triton")
+    t0 = time.time()
+    while not kernels.rot16_ready() and time.time() - t0 < 120:
+        time.sleep(0.1)
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randint(0, 256, (4 * n,), dtype=torch.uint8, device="cuda", generator=g)
+    bp = BytePlane(4, block, 16)
+    want = bp.encode(x.cpu())
+    got = bp.encode(x)
+    assert torch.equal(got.cpu(), want)
+    t = torch.empty_like(x)
+    bp._torch_encode(x, t)
+    assert torch.equal(t.cpu(), want)
+    back = torch.empty_like(x)
+    bp.decode(got, back)
+    assert torch.equal(back, x)
+    back2 = torch.empty_like(x)
+    bp._torch_decode(got, back2)
+    _post16(back2)
+    assert torch.equal(back2, x)
+    # multi-segment: one segment, planes at 0, words at 4n (table as decode_multi documents)
+    buf = torch.zeros(8 * n + 64, dtype=torch.uint8, device="cuda")
+    buf[:4 * n] = got
+    cols = [np.array([c], dtype=np.int64) for c in (0, 4 * n + 32, 4 * n + 32, n, block, 0, 0, 0)]
+    tk.decode_multi(buf, *cols, 4, PLAIN16, True)
+    assert torch.equal(buf[4 * n + 32:8 * n + 32], x)
+    buf[:4 * n] = 0
+    tk.encode_multi(buf, *cols, 4, PLAIN16, True)
+    assert torch.equal(buf[:4 * n].cpu(), want)

@@ -597,17 +597,24 @@ def test_plane_subset_and_plane_rows():
         PlaneSubset(block)._decode(part, dst, torch_ops)
         mask = np.uint32(0xFFFF8000)
         assert ((dst.numpy().view(np.uint32) ^ x.numpy().view(np.uint32)) & mask == 0).all()
+    bp16 = BytePlane(4, block, 16)
+    enc16 = bp16.encode(x)
+    part16 = torch.cat([enc16[o:o + m] for k, (o, m) in enumerate(segs) if k % 4 >= 2])
+    for torch_ops in (False, True):
+        dst = torch.zeros_like(x)
+        PlaneSubset(block, 16)._decode(part16, dst, torch_ops)
+        assert (dst.numpy().view(np.uint32) == x.numpy().view(np.uint32) & np.uint32(0xFFFF0000)).all()
     # chunks: each plane of each block in two pieces
     sizes = [p for _o, m in segs for p in (m // 2, m - m // 2)]
     rows = np.zeros(len(sizes), ROW)
     rows["raw"] = sizes
     rows["offset"] = np.arange(len(sizes))
-    got = plane_rows(rows, bp, 4 * n, PlaneSubset.planes)
+    got = plane_rows(rows, bp, 4 * n, PlaneSubset(block).planes)
     assert got["raw"].sum() == 3 * n and len(got) == 2 * 3 * len(segs) // 4
     assert (got["offset"] // 2 % 4 != 1).all()
     bad = np.zeros(2, ROW)
     bad["raw"] = [segs[0][1] + 1, 4 * n - segs[0][1] - 1]
-    assert plane_rows(bad, bp, 4 * n, PlaneSubset.planes) is None
+    assert plane_rows(bad, bp, 4 * n, PlaneSubset(block).planes) is None
 
 
 def test_hidelta_load_reads_three_planes_of_its_base(tmp_path, monkeypatch):
@@ -627,7 +634,9 @@ def test_hidelta_load_reads_three_planes_of_its_base(tmp_path, monkeypatch):
     orig = byteplane.PlaneSubset.decode
     monkeypatch.setattr(byteplane.PlaneSubset, "decode", lambda self, s, d: (used.append(s.numel()), orig(self, s, d)))
     assert_same(ckptzip.load(b), s2)
-    assert sum(used) == 3 * 300_000
+    with ckptzip.open(a) as r:  # (a GPU machine's save: rotate 16, planes 2 and 3 read)
+        tf = r.storages[0]["transforms"][0]
+    assert sum(used) == (2 if tf.get("rotate") == 16 else 3) * 300_000
     with ckptzip.open(a) as r:
         tf = r.storages[0]["transforms"][0]
         first, count = r.storages[0]["rows"]
@@ -691,3 +700,60 @@ def test_few_unlocatable_base_storages_are_stored_standalone(tmp_path):
         assert ids["model.w"] == "hidelta"
         assert (ids[v] in ("delta", "xor")) == kept, ids
         assert_same(ckptzip.load(b), s2)
+
+
+@pytest.mark.parametrize("n,block", [(1, 8), (1000, 64), (70_001, 4096)])
+def test_byteplane_rotate16_layout(n, block, monkeypatch):
+    """``byteplane`` ``rotate`` 16 (format 1.3): plane 3 holds the exponent, plane 2 the sign
+    beside the 7 upper mantissa bits, planes 1 and 0 the low mantissa bytes; numpy (C) and torch
+    paths write and read the same bytes, special values included, the input untouched."""
+    from ckptzip.transforms.byteplane import BytePlane, _post16
+    g = torch.Generator().manual_seed(n)
+    x = torch.randint(0, 256, (4 * n,), dtype=torch.uint8, generator=g)
+    if n >= 8:
+        x[:32] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -3e38, 1.5],
+                              dtype=torch.float32).view(torch.uint8)
+    before = x.clone()
+    bp = BytePlane(4, block, 16)
+    assert bp.get_config() == {"id": "byteplane", "width": 4, "block": block, "rotate": 16} and bp.minor == 3
+    enc = bp.encode(x)
+    assert torch.equal(x, before)
+    u = x.numpy().view(np.uint32)
+    m = min(block, n)
+    planes = enc.numpy()[:4 * m].reshape(4, m)
+    assert (planes[3] == ((u[:m] >> 23) & 0xFF)).all()
+    assert (planes[2] == ((((u[:m] >> 16) & 0x7F) << 1) | (u[:m] >> 31))).all()
+    assert (planes[1] == ((u[:m] >> 8) & 0xFF)).all() and (planes[0] == (u[:m] & 0xFF)).all()
+    enc_t = torch.empty_like(x)
+    bp._torch_encode(x, enc_t)  # (the torch path turns the words itself, piece by piece)
+    assert torch.equal(enc_t, enc)
+    back = torch.empty_like(x)
+    bp.decode(enc, back)
+    assert torch.equal(back, x)
+    back_t = torch.empty_like(x)
+    bp._torch_decode(enc, back_t)
+    _post16(back_t)
+    assert torch.equal(back_t, x)
+
+
+def test_rotate16_base_incremental_reads_two_planes(tmp_path, monkeypatch):
+    """A base written with rotate 16 (what GPU saves write; forced here on the CPU): the
+    incremental load decodes its float32 weights from planes 2 and 3, bit-exact."""
+    from ckptzip.engine import planner
+    from ckptzip.transforms import byteplane
+    monkeypatch.setattr(planner, "ROT16_ON_CPU", True)
+    g = torch.Generator().manual_seed(21)
+    w = torch.randn(300_000, generator=g) * 0.02
+    s1, s2 = {"w": w}, {"w": w + 1e-6 * torch.randn(300_000, generator=g)}
+    a, b = tmp_path / "a.ckz", tmp_path / "b.ckz"
+    ckptzip.save(s1, a)
+    assert transforms_of(a)[0] == ["byteplane"]
+    with ckptzip.open(a) as r:
+        assert r.storages[0]["transforms"][0]["rotate"] == 16 and r.manifest.doc["version"] == [1, 3]
+    assert_same(ckptzip.load(a), s1)
+    ckptzip.save(s2, b, base=a)
+    seen = []
+    real = byteplane.PlaneSubset.decode
+    monkeypatch.setattr(byteplane.PlaneSubset, "decode", lambda self, s, d: (seen.append((self.planes, s.numel())), real(self, s, d)))
+    assert_same(ckptzip.load(b), s2)
+    assert seen and all(p == (2, 3) for p, _ in seen) and sum(k for _, k in seen) == 2 * 300_000

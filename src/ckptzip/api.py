@@ -593,12 +593,13 @@ class CheckpointReader:
 
 def _planes_only(job: Job) -> None:
     """Turn a job that decodes a plain ``byteplane`` width-4 base storage for ``hidelta``
-    (which needs bits 15..31 of each word) into one that reads planes 0, 2 and 3 only, where
-    its chunks hold whole planes."""
+    (which reads the top half of each word) into one that reads planes 2 and 3 (``rotate`` 16)
+    or 0, 2 and 3 only, where its chunks hold whole planes."""
     if job.ref is None and isinstance(job.tf, BytePlane) and job.tf.width == 4:
-        rows = plane_rows(job.rows, job.tf, job.out.numel(), PlaneSubset.planes)
+        sub = PlaneSubset(job.tf.block, job.tf.rotate)
+        rows = plane_rows(job.rows, job.tf, job.out.numel(), sub.planes)
         if rows is not None:
-            job.rows, job.tf = rows, PlaneSubset(job.tf.block)
+            job.rows, job.tf = rows, sub
 
 
 def open(path: Any, **kwargs: Any) -> CheckpointReader:  # noqa: A001

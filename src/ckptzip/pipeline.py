@@ -95,6 +95,7 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
     with open_for_write(path, fsync=fsync) as f:
         # the lowest minor the file's features need (docs/format.md): 1 for bases, else its transforms'
         minor = max([p.ref.minor for p in prep.plans if p.ref is not None] + [1 if prep.bases else 0]
+                    + [getattr(p.transform, "minor", 0) for p in prep.plans]  # (1.3: byteplane rotate 16)
                     + [3 if prep.bases and "storages" in prep.bases[0] else 0])  # (1.3: base hints)
         f.write(pack_header(minor))
         w = ChunkWriter(f, HEADER_SIZE, writeback=fsync)

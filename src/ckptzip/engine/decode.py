@@ -21,7 +21,7 @@ from ..codecs.gpu import release_scratch
 from ..errors import ChecksumError, CorruptFileError
 from ..format import FLAG_STORED_RAW
 from ..io.reader import read_split, read_stored
-from ..kernels import PARTIAL, enabled, launch, triton_kernels
+from ..kernels import PARTIAL, PARTIAL16, enabled, launch, triton_kernels
 from ..transforms import RefTransform, Transform, get_transform
 from ..transforms.byteplane import PlaneSubset, np_decode_onto
 from ..transforms.refs import Delta, fused_planes, multi_segment, planes_after_ref
@@ -413,13 +413,14 @@ def _untransform_multi(tk, stream: torch.Tensor, todo: list) -> list:
             rest.append(item)
         elif job.ref is None and job.tf is None:
             copies.append(item)
-        elif isinstance(job.tf, PlaneSubset):  # planes 0, 2, 3 of a base storage (hidelta's reference)
-            doff = out.data_ptr() + a // 3 * 4 - base
+        elif isinstance(job.tf, PlaneSubset):  # planes of a base storage (hidelta's reference)
+            k = job.tf.width
+            doff = out.data_ptr() + a // k * 4 - base
             if doff % 4:
                 rest.append(item)
             else:
-                kinds.setdefault((PARTIAL, 4, True), []).append(
-                    (item, (pos, doff, doff, (b - a) // 3, job.tf.block, 0, 0, 0)))
+                kinds.setdefault((PARTIAL16 if job.tf.rotate == 16 else PARTIAL, 4, True), []).append(
+                    (item, (pos, doff, doff, (b - a) // k, job.tf.block, 0, 0, 0)))
         else:
             k = multi_segment(job.tf, job.ref, a, b - a, out.data_ptr() + a, out.device)
             if k is None:

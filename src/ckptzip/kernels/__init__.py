@@ -26,8 +26,10 @@ import threading
 #: ``expref``'s exponent prediction from a float32 reference (32-bit words only), or (multi-segment
 #: kernels only) ``derived``'s bfloat16 rounding of a float32 reference and ``expgrid``'s row +
 #: column exponent prediction; ``hidelta``'s difference of the top halves (format 1.3, 32-bit
-#: words); (multi-segment decode only) planes 0, 2 and 3 of 32-bit words into bits 15..31
-PLAIN, XOR, DELTA, EXPREF, DERIVED, EXPGRID, HIDELTA, PARTIAL = 0, 1, 2, 3, 4, 5, 6, 7
+#: words); (multi-segment decode only) planes 0, 2 and 3 of 32-bit words into bits 15..31;
+#: planes alone with ``byteplane``'s ``rotate`` 16 (32-bit words); (multi-segment decode only)
+#: planes 2 and 3 of such words into their top halves
+PLAIN, XOR, DELTA, EXPREF, DERIVED, EXPGRID, HIDELTA, PARTIAL, PLAIN16, PARTIAL16 = range(10)
 #: saves: storages (windows) from this many bytes on go to the one-storage kernels where one
 #: exists (byte planes, alone or after xor / delta / expref): their aligned, vectorized accesses
 #: run faster than the multi-segment kernel's (measured on an H100: fp32 delta compress 124 GB/s
@@ -42,6 +44,7 @@ HASH_MIN = 241
 _MOD: object = False  # False: not tried; None: unavailable; else the module
 _OFF: set[str] = set()  # kernel families that failed to compile in this process (see launch)
 _READY = threading.Event()
+_READY16 = threading.Event()  # the rotate-16 kernels too (see rot16_ready)
 _STOP = threading.Event()  # set at interpreter exit: the warm-up stops after the kernel it compiles
 _LOCK = threading.Lock()
 _STARTED = False
@@ -104,6 +107,42 @@ def _warm(device: int) -> None:
         _MOD = None
     finally:
         _READY.set()
+    _warm16(device)
+
+
+def _warm16(device: int) -> None:
+    """After the rest (so that no save waits longer for the kernels): ``byteplane``'s ``rotate`` 16
+    (format 1.3, float32 storages of GPU saves; see :func:`rot16_ready`)."""
+    try:
+        import numpy as np
+        import torch
+        mod = _MOD
+        if not mod:
+            return
+        with torch.cuda.device(device):
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                for n in (4096, 4100):
+                    for block in (1 << 20, 4099):
+                        if _STOP.is_set():
+                            return
+                        x = torch.zeros(n * 4, dtype=torch.uint8, device="cuda")
+                        y = mod.encode(x, 4, block, rot16=True)
+                        mod.decode(y, torch.empty_like(x), 4, block, rot16=True)
+                z = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
+                one = np.array([[0], [32768], [16384], [512], [256], [24576], [16], [0]], dtype=np.int64)
+                mod.encode_multi(z, *one, 4, PLAIN16, True)
+                mod.decode_multi(z, *one, 4, PLAIN16, True)
+            s.synchronize()
+        _READY16.set()
+    except Exception:
+        pass  # saves keep the whole-word rotation
+
+
+def rot16_ready() -> bool:
+    """Whether GPU saves may write ``byteplane`` ``rotate`` 16: its kernels are compiled (the
+    warm-up does them last), or compile on first use (``CKPTZIP_TRITON_WARMUP=0``)."""
+    return _READY16.is_set() or (os.environ.get("CKPTZIP_TRITON_WARMUP") == "0" and bool(_load()))
 
 
 def triton_kernels(wait: bool = False, start: bool = True):

@@ -13,7 +13,7 @@ TILE = 2048
 
 
 from ..transforms.refs import EXP_HALF, EXP_PRED, NAN16  # noqa: E402
-from . import DELTA, DERIVED, EXPGRID, EXPREF, HASH_MIN, HIDELTA, PARTIAL, PLAIN, XOR  # noqa: E402  (the kernels' MODE constexpr)
+from . import DELTA, DERIVED, EXPGRID, EXPREF, HASH_MIN, HIDELTA, PARTIAL, PARTIAL16, PLAIN, PLAIN16, XOR  # noqa: E402  (the kernels' MODE constexpr)
 #: ``expref``'s masks (transforms/refs.py), as constants a kernel may read
 _EXP_HALF = tl.constexpr(EXP_HALF)
 _PRED = tl.constexpr(EXP_PRED)
@@ -38,15 +38,17 @@ def _enc(src, ref, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.co
         p = (tl.load(ref + idx, mask=mask).to(UT, bitcast=True) >> 2) & _PRED
         xe = (d >> 1) & _EXP_HALF
         d = (d ^ (xe << 1)) | (((xe - p) & _EXP_HALF) << 1)
-    elif MODE == 6:  # hidelta (32-bit words; transforms/refs.py HiDelta)
-        rb = tl.load(ref + idx, mask=mask).to(UT, bitcast=True)
-        xr = (d << 1) | (d >> 31)
-        br = (rb << 1) | (rb >> 31)
-        dh = ((xr >> 16) - (br >> 16)) & 0xFFFF
-        f = dh ^ ((dh >> 15) * 0x7FFF)
-        y = (((xr ^ br) & 1) << 31) | ((f & 0x7FFF) << 16) | (xr & 0xFFFE) | (f >> 15)
+    elif MODE == 6:  # hidelta (32-bit words; transforms/refs.py np_hidelta)
+        hb = tl.load(ref + idx, mask=mask).to(UT, bitcast=True) >> 16
+        hx = d >> 16
+        dd = ((hx & 0x7FFF) - (hb & 0x7FFF)) & 0x7FFF
+        f = dd ^ ((dd >> 14) * 0x3FFF)
+        y = (((hx ^ hb) >> 15) << 31) | ((f & 0x3FFF) << 17) | ((f >> 14) << 16) | (d & 0xFFFF)
         d = (y >> 1) | (y << 31)
-    r = (d << 1) | (d >> (BITS - 1))
+    if MODE == 8:  # byteplane rotate 16: the top half rotated, the sign beside its mantissa bits
+        r = ((((d >> 15) & 0xFFFE) | (d >> 31)) << 16) | (d & 0xFFFF)
+    else:
+        r = (d << 1) | (d >> (BITS - 1))
     b = idx // block
     j = idx - b * block
     m = tl.minimum(block, n - b * block)
@@ -71,7 +73,10 @@ def _dec(src, ref, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.co
     for k in tl.static_range(W):
         byte = tl.load(src + base + k * m, mask=mask).to(UT)
         r = r | (byte << (8 * k))
-    d = (r >> 1) | (r << (BITS - 1))
+    if MODE == 8:
+        d = ((((r >> 17) & 0x7FFF) | (((r >> 16) & 1) << 15)) << 16) | (r & 0xFFFF)
+    else:
+        d = (r >> 1) | (r << (BITS - 1))
     if MODE == 1:
         d = d ^ tl.load(ref + idx, mask=mask).to(UT, bitcast=True)
     elif MODE == 2:
@@ -81,13 +86,11 @@ def _dec(src, ref, dst, n, block, W: tl.constexpr, BITS: tl.constexpr, UT: tl.co
         p = (tl.load(ref + idx, mask=mask).to(UT, bitcast=True) >> 2) & _PRED
         xe = (d >> 1) & _EXP_HALF
         d = (d ^ (xe << 1)) | (((xe + p) & _EXP_HALF) << 1)
-    elif MODE == 6:  # hidelta: needs bits 15..31 of the reference word only
-        rb = tl.load(ref + idx, mask=mask).to(UT, bitcast=True)
-        br = (rb << 1) | (rb >> 31)
-        f = ((r >> 16) & 0x7FFF) | ((r & 1) << 15)
-        dh = f ^ ((f >> 15) * 0x7FFF)
-        xr = ((((br >> 16) + dh) & 0xFFFF) << 16) | (r & 0xFFFE) | ((br & 1) ^ (r >> 31))
-        d = (xr >> 1) | (xr << 31)
+    elif MODE == 6:  # hidelta: reads the top half of the reference word only
+        hb = tl.load(ref + idx, mask=mask).to(UT, bitcast=True) >> 16
+        f = ((r >> 17) & 0x3FFF) | (((r >> 16) & 1) << 14)
+        dd = f ^ ((f >> 14) * 0x3FFF)
+        d = ((((hb + dd) & 0x7FFF) | (((r >> 31) ^ (hb >> 15)) << 15)) << 16) | (r & 0xFFFF)
     tl.store(dst + idx, d, mask=mask)
 
 
@@ -123,18 +126,20 @@ def _launch(kernel, src: torch.Tensor, ref: torch.Tensor, dst: torch.Tensor, n: 
                                         TILE=TILE, MODE=mode)
 
 
-def encode(src: torch.Tensor, width: int, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def encode(src: torch.Tensor, width: int, block: int, out: torch.Tensor | None = None,
+           rot16: bool = False) -> torch.Tensor:
+    """Byte planes of ``src``; ``rot16``: ``byteplane``'s ``rotate`` 16 (32-bit words)."""
     out = torch.empty_like(src) if out is None else out
     if src.numel() >= width:  # (an empty slice need not be word-aligned: no views of it)
         words = src.view(_U[width][0])
-        _launch(_enc, words, words, out, src.numel() // width, width, block, PLAIN)
+        _launch(_enc, words, words, out, src.numel() // width, width, block, PLAIN16 if rot16 else PLAIN)
     return out
 
 
-def decode(src: torch.Tensor, dst: torch.Tensor, width: int, block: int) -> None:
+def decode(src: torch.Tensor, dst: torch.Tensor, width: int, block: int, rot16: bool = False) -> None:
     if src.numel() >= width:
         d = dst.view(_U[width][0])
-        _launch(_dec, src, d, d, src.numel() // width, width, block, PLAIN)
+        _launch(_dec, src, d, d, src.numel() // width, width, block, PLAIN16 if rot16 else PLAIN)
 
 
 def _check_mode(mode: int, width: int) -> None:
@@ -206,19 +211,17 @@ def _against_ref(d, base, table, nseg, g, roff, idx, mask, BITS: tl.constexpr, U
         c = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16)
         d = d ^ tl.where((u & 0x7FFFFFFF) > 0x7F800000, _NAN_BF16, c).to(UT)
     elif MODE == 6:  # hidelta (32-bit words): as in _enc / _dec
-        rb = tl.load(rp + idx, mask=mask)
-        br = (rb << 1) | (rb >> 31)
+        hb = tl.load(rp + idx, mask=mask) >> 16
         if DECODE:
             y = (d << 1) | (d >> 31)
-            f = ((y >> 16) & 0x7FFF) | ((y & 1) << 15)
-            dh = f ^ ((f >> 15) * 0x7FFF)
-            xr = ((((br >> 16) + dh) & 0xFFFF) << 16) | (y & 0xFFFE) | ((br & 1) ^ (y >> 31))
-            d = (xr >> 1) | (xr << 31)
+            f = ((y >> 17) & 0x3FFF) | (((y >> 16) & 1) << 14)
+            dd = f ^ ((f >> 14) * 0x3FFF)
+            d = ((((hb + dd) & 0x7FFF) | (((y >> 31) ^ (hb >> 15)) << 15)) << 16) | (y & 0xFFFF)
         else:
-            xr = (d << 1) | (d >> 31)
-            dh = ((xr >> 16) - (br >> 16)) & 0xFFFF
-            f = dh ^ ((dh >> 15) * 0x7FFF)
-            y = (((xr ^ br) & 1) << 31) | ((f & 0x7FFF) << 16) | (xr & 0xFFFE) | (f >> 15)
+            hx = d >> 16
+            dd = ((hx & 0x7FFF) - (hb & 0x7FFF)) & 0x7FFF
+            f = dd ^ ((dd >> 14) * 0x3FFF)
+            y = (((hx ^ hb) >> 15) << 31) | ((f & 0x3FFF) << 17) | ((f >> 14) << 16) | (d & 0xFFFF)
             d = (y >> 1) | (y << 31)
     elif MODE == 3 or MODE == 5:
         if MODE == 3:
@@ -258,13 +261,21 @@ def _dec_multi(base, table, nseg, ntiles, W: tl.constexpr, BITS: tl.constexpr, U
         r = r | (tl.load(base + soff + at + m, mask=mask).to(UT) << 16)
         r = r | (tl.load(base + soff + at + 2 * m, mask=mask).to(UT) << 24)
         d = (r >> 1) | (r << (BITS - 1))
+    elif PLANES and MODE == 9:  # PARTIAL16: planes 2, 3 of each block (rotate 16), the low half zero
+        at, m = _planes_at(table, nseg, g, n, idx, 2)
+        r = tl.load(base + soff + at, mask=mask).to(UT) << 16
+        r = r | (tl.load(base + soff + at + m, mask=mask).to(UT) << 24)
+        d = (((r >> 17) & 0x7FFF) | (((r >> 16) & 1) << 15)) << 16
     elif PLANES:
         at, m = _planes_at(table, nseg, g, n, idx, W)
         r = tl.zeros([TILE], dtype=UT)
         for k in tl.static_range(W):
             byte = tl.load(base + soff + at + k * m, mask=mask).to(UT)
             r = r | (byte << (8 * k))
-        d = (r >> 1) | (r << (BITS - 1))
+        if MODE == 8:
+            d = ((((r >> 17) & 0x7FFF) | (((r >> 16) & 1) << 15)) << 16) | (r & 0xFFFF)
+        else:
+            d = (r >> 1) | (r << (BITS - 1))
     else:
         d = tl.load((base + soff).to(tl.pointer_type(UT)) + idx, mask=mask)
     d = _against_ref(d, base, table, nseg, g, roff, idx, mask, BITS, UT, MODE, True)
@@ -282,7 +293,10 @@ def _enc_multi(base, table, nseg, ntiles, W: tl.constexpr, BITS: tl.constexpr, U
     d = _against_ref(d, base, table, nseg, g, roff, idx, mask, BITS, UT, MODE, False)
     if PLANES:
         at, m = _planes_at(table, nseg, g, n, idx, W)
-        r = (d << 1) | (d >> (BITS - 1))
+        if MODE == 8:
+            r = ((((d >> 15) & 0xFFFE) | (d >> 31)) << 16) | (d & 0xFFFF)
+        else:
+            r = (d << 1) | (d >> (BITS - 1))
         for k in tl.static_range(W):
             tl.store(base + soff + at + k * m, ((r >> (8 * k)) & 0xFF).to(tl.uint8), mask=mask)
     else:
@@ -290,10 +304,10 @@ def _enc_multi(base, table, nseg, ntiles, W: tl.constexpr, BITS: tl.constexpr, U
 
 
 def _multi(kernel, base: torch.Tensor, cols_in, width: int, mode: int, planes: bool) -> None:
-    if mode not in (PLAIN, XOR, DELTA, EXPREF, DERIVED, EXPGRID, HIDELTA, PARTIAL) \
-            or (mode in (EXPREF, EXPGRID, HIDELTA, PARTIAL) and width != 4) \
-            or (mode == DERIVED and width != 2) or (mode in (PLAIN, PARTIAL) and not planes) \
-            or (mode == PARTIAL and kernel is not _dec_multi):
+    if mode not in (PLAIN, XOR, DELTA, EXPREF, DERIVED, EXPGRID, HIDELTA, PARTIAL, PLAIN16, PARTIAL16) \
+            or (mode in (EXPREF, EXPGRID, HIDELTA, PARTIAL, PLAIN16, PARTIAL16) and width != 4) \
+            or (mode == DERIVED and width != 2) or (mode in (PLAIN, PARTIAL, PLAIN16, PARTIAL16) and not planes) \
+            or (mode in (PARTIAL, PARTIAL16) and kernel is not _dec_multi):
         raise ValueError(f"no multi-segment kernel for mode {mode} at width {width}")
     nwords = np.asarray(cols_in[3], dtype=np.int64)
     keep = nwords > 0

@@ -18,7 +18,7 @@ import torch
 from .. import native
 from ..codecs.base import MAX_CHUNK
 from ..errors import CorruptFileError, UnknownCodecError
-from ..kernels import triton_kernels
+from ..kernels import rot16_ready, triton_kernels
 from .base import Transform, register
 
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -30,24 +30,38 @@ _TORCH_PIECE = 16 << 20
 class BytePlane(Transform):
     wire_id = "byteplane"
 
-    def __init__(self, width: int, block: int) -> None:
+    def __init__(self, width: int, block: int, rotate: int | None = None) -> None:
         if width not in _INT or not isinstance(block, int) or not 1 <= block <= MAX_CHUNK:
             raise UnknownCodecError(f"byteplane: unsupported width={width!r} block={block!r}")
-        self.width, self.block = width, block
+        if rotate is not None and (rotate != 16 or width != 4):
+            raise UnknownCodecError(f"byteplane: unsupported rotate={rotate!r} at width {width}")
+        self.width, self.block, self.rotate = width, block, rotate
 
     def get_config(self) -> dict[str, Any]:
-        return {"id": self.wire_id, "width": self.width, "block": self.block}
+        cfg = {"id": self.wire_id, "width": self.width, "block": self.block}
+        if self.rotate is not None:
+            cfg["rotate"] = self.rotate
+        return cfg
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "BytePlane":
-        if set(config) - {"id", "width", "block"}:
+        if set(config) - {"id", "width", "block", "rotate"}:
             raise UnknownCodecError(f"byteplane: unknown options in {str(config)[:200]}")
-        width, block = config.get("width"), config.get("block")
+        width, block, rotate = config.get("width"), config.get("block"), config.get("rotate")
         # JSON integers only: 2.0 == 2 and True == 1 in Python, but neither is a valid value
-        if type(width) is not int or type(block) is not int:
-            raise CorruptFileError(f"byteplane: width and block must be integers, got "
-                                   f"{type(width).__name__} and {type(block).__name__}")
-        return cls(width, block)
+        if type(width) is not int or type(block) is not int or ("rotate" in config and type(rotate) is not int):
+            raise CorruptFileError(f"byteplane: width, block and rotate must be integers, got "
+                                   f"{type(width).__name__}, {type(block).__name__} and {type(rotate).__name__}")
+        return cls(width, block, rotate)
+
+    @property
+    def minor(self) -> int:
+        """The format minor version a file that uses this config needs (``rotate``: 1.3)."""
+        return 3 if self.rotate is not None else 0
+
+    def whole(self) -> "BytePlane":
+        """This transform with the whole-word rotation (what the fused reference kernels write)."""
+        return self if self.rotate is None else BytePlane(self.width, self.block)
 
     def accepts(self, nbytes: int) -> bool:
         return nbytes % self.width == 0
@@ -68,10 +82,12 @@ class BytePlane(Transform):
         """The planes, in ``out`` or a new uint8 tensor on ``src``'s device; ``src`` is never
         modified."""
         w, b = self.width, self.block
-        if src.is_cuda and triton_kernels() is not None:
-            return triton_kernels().encode(src, w, b, out)
+        if src.is_cuda and triton_kernels() is not None and (self.rotate is None or rot16_ready()):
+            return triton_kernels().encode(src, w, b, out, self.rotate == 16)
         out = torch.empty_like(src) if out is None else out
         if src.device.type == "cpu" and out.device.type == "cpu":
+            if self.rotate == 16:  # the whole-word rotation's code, on words turned so that it yields ours
+                src = _pre16(src)
             _np_encode(src.numpy(), out.numpy(), w, b)  # numpy transposes bytes ~8x faster
             return out
         return self._torch_encode(src, out)
@@ -83,7 +99,8 @@ class BytePlane(Transform):
         w, b = self.width, self.block
         step = max(1, _TORCH_PIECE // (b * w)) * b * w
         for a in range(0, src.numel(), step):
-            self._torch_encode_piece(src[a:a + step], out[a:a + step])
+            piece = src[a:a + step]
+            self._torch_encode_piece(_pre16(piece) if self.rotate == 16 else piece, out[a:a + step])
         return out
 
     def _torch_encode_piece(self, src: torch.Tensor, out: torch.Tensor) -> None:
@@ -107,11 +124,14 @@ class BytePlane(Transform):
         """Inverse of :meth:`encode`, written into the preallocated uint8 ``dst``."""
         w, b = self.width, self.block
         tk = triton_kernels(start=False) if src.is_cuda and dst.is_cuda else None
-        if tk is not None:
-            return tk.decode(src, dst, w, b)
+        if tk is not None and (self.rotate is None or rot16_ready()):
+            return tk.decode(src, dst, w, b, self.rotate == 16)
         if src.device.type == "cpu" and dst.device.type == "cpu":
-            return _np_decode(src.numpy(), dst.numpy(), w, b)
-        return self._torch_decode(src, dst)
+            _np_decode(src.numpy(), dst.numpy(), w, b)
+        else:
+            self._torch_decode(src, dst)
+        if self.rotate == 16:
+            _post16(dst)
 
     def _torch_decode(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         w, b = self.width, self.block
@@ -128,6 +148,38 @@ class BytePlane(Transform):
         maxpos = (1 << (bits - 1)) - 1
         hi = v << (bits - 1)
         v.bitwise_right_shift_(1).bitwise_and_(maxpos).bitwise_or_(hi)
+
+
+def _pre16(src: torch.Tensor) -> torch.Tensor:
+    """Words ``q`` (a new tensor) whose whole-word rotation is ``rotate`` 16's transformed word
+    of ``src`` (flat uint8, whole 32-bit words): ``q = rotr32(t)``,
+    ``t = ((x >> 15) & 0xFFFE | x >> 31) << 16 | (x & 0xFFFF)``."""
+    if src.device.type == "cpu":
+        x = src.numpy().view(np.uint32)
+        t = ((((x >> 15) & 0xFFFE) | (x >> 31)) << 16) | (x & 0xFFFF)
+        return torch.from_numpy(((t >> 1) | (t << 31)).view(np.uint8))
+    out = torch.empty_like(src)
+    for a in range(0, src.numel(), _TORCH_PIECE):  # (the int64 temporaries stay small)
+        x = src[a:a + _TORCH_PIECE].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        t = ((((x >> 15) & 0xFFFE) | (x >> 31)) << 16) | (x & 0xFFFF)
+        q = (t >> 1) | ((t & 1) << 31)
+        out[a:a + _TORCH_PIECE].view(torch.int32).copy_(torch.where(q >= 1 << 31, q - (1 << 32), q))
+    return out
+
+
+def _post16(dst: torch.Tensor) -> None:
+    """Undo :func:`_pre16` in place on words the whole-word decode left in ``dst``."""
+    if dst.device.type == "cpu":
+        q = dst.numpy().view(np.uint32)
+        t = (q << 1) | (q >> 31)
+        q[:] = ((((t >> 17) & 0x7FFF) | (((t >> 16) & 1) << 15)) << 16) | (t & 0xFFFF)
+        return
+    for a in range(0, dst.numel(), _TORCH_PIECE):
+        d = dst[a:a + _TORCH_PIECE].view(torch.int32)
+        q = d.to(torch.int64) & 0xFFFFFFFF
+        t = ((q << 1) & 0xFFFFFFFF) | (q >> 31)
+        x = ((((t >> 17) & 0x7FFF) | (((t >> 16) & 1) << 15)) << 16) | (t & 0xFFFF)
+        d.copy_(torch.where(x >= 1 << 31, x - (1 << 32), x))
 
 
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -267,41 +319,51 @@ def np_decode_onto(src: np.ndarray, dst: np.ndarray, ref: np.ndarray, w: int, b:
 class PlaneSubset:
     """Some byte planes of a ``byteplane`` width-4 storage, read without the others (not a wire
     transform: a reader's partial decode of a base storage for ``hidelta``, format 1.3). The
-    stream holds, per block, ``planes`` (0, 2, 3) of its words, ``width`` (3) bytes per word;
-    :meth:`decode` writes whole 4-byte words, plane 1 taken as zeros and the rotation undone, so
-    bits 15..31 of each word are exact. ``Job.dst`` maps stream bytes to destination bytes."""
+    stream holds, per block, ``planes`` of its words (2 and 3 with ``rotate`` 16, else 0, 2 and
+    3), ``width`` bytes per word; :meth:`decode` writes whole 4-byte words, the other planes
+    taken as zeros and the rotation undone, so the top half of each word is exact (what
+    ``hidelta`` reads). ``Job.dst`` maps stream bytes to destination bytes."""
 
-    planes = (0, 2, 3)
-    width = 3
-
-    def __init__(self, block: int) -> None:
-        self.block = block
+    def __init__(self, block: int, rotate: int | None = None) -> None:
+        self.block, self.rotate = block, rotate
+        self.planes = (2, 3) if rotate == 16 else (0, 2, 3)
+        self.width = len(self.planes)
 
     def decode(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        n = src.numel() // 3
+        n = src.numel() // self.width
         if not n:
             return
         tk = triton_kernels(start=False) if src.is_cuda and dst.is_cuda else None
-        if tk is not None and dst.data_ptr() % 4 == 0:
+        if tk is not None and dst.data_ptr() % 4 == 0 and self.rotate is None:
             return tk.decode_part(src, dst, self.block)
         self._decode(src, dst, src.device.type != "cpu" or dst.device.type != "cpu")
 
     def _decode(self, src: torch.Tensor, dst: torch.Tensor, torch_ops: bool) -> None:
         """Block by block, with numpy or (``torch_ops``: a GPU without the Triton kernels) torch."""
-        n, b = src.numel() // 3, self.block
+        k, b = self.width, self.block
+        n = src.numel() // k
         for s in range(0, n, b):
             m = min(b, n - s)
-            p = src[3 * s:3 * (s + m)]
+            p = src[k * s:k * (s + m)]
             if not torch_ops:
                 pn = p.numpy()
-                r = pn[:m].astype(np.uint32)
-                r |= pn[m:2 * m].astype(np.uint32) << 16
-                r |= pn[2 * m:].astype(np.uint32) << 24
-                dst[4 * s:4 * (s + m)].numpy().view(np.uint32)[:] = (r >> 1) | (r << 31)
+                r = np.zeros(m, np.uint32)
+                for i, plane in enumerate(self.planes):
+                    r |= pn[i * m:(i + 1) * m].astype(np.uint32) << (8 * plane)
+                if self.rotate == 16:
+                    r = (((r >> 17) & 0x7FFF) | (((r >> 16) & 1) << 15)) << 16
+                else:
+                    r = (r >> 1) | (r << 31)
+                dst[4 * s:4 * (s + m)].numpy().view(np.uint32)[:] = r
             else:
                 p = p.to(dst.device).to(torch.int64)
-                r = p[:m] | (p[m:2 * m] << 16) | (p[2 * m:] << 24)
-                r = (r >> 1) | ((r & 1) << 31)
+                r = torch.zeros(m, dtype=torch.int64, device=dst.device)
+                for i, plane in enumerate(self.planes):
+                    r |= p[i * m:(i + 1) * m] << (8 * plane)
+                if self.rotate == 16:
+                    r = (((r >> 17) & 0x7FFF) | (((r >> 16) & 1) << 15)) << 16
+                else:
+                    r = (r >> 1) | ((r & 1) << 31)
                 w = torch.where(r >= 1 << 31, r - (1 << 32), r).to(torch.int32)
                 dst[4 * s:4 * (s + m)].copy_(w.view(torch.uint8))
 

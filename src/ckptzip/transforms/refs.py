@@ -27,7 +27,8 @@ import torch
 
 from .. import native
 from ..errors import CorruptFileError, UnknownCodecError
-from ..kernels import DELTA, DERIVED, EXPGRID, EXPREF, HIDELTA, MULTI_MAX, PLAIN, XOR, enabled, launch, triton_kernels
+from ..kernels import (DELTA, DERIVED, EXPGRID, EXPREF, HIDELTA, MULTI_MAX, PLAIN, PLAIN16, XOR, enabled, launch,
+                       rot16_ready, triton_kernels)
 from .base import Transform, register
 from .byteplane import BytePlane
 
@@ -336,80 +337,63 @@ _TORCH_ON_CPU = False
 EXP_HALF, EXP_PRED = 0x3FC00000, 0x1FC00000
 
 
-def _np_rot(w: np.ndarray) -> np.ndarray:
-    return (w << 1) | (w >> 31)
-
-
-def _np_unrot(w: np.ndarray) -> np.ndarray:
-    return (w >> 1) | (w << 31)
-
-
 def np_hidelta(x: np.ndarray, b: np.ndarray, out: np.ndarray, decode: bool) -> None:
     """``hidelta``'s residual of words ``x`` against ``b`` (``decode``: the words from residual
-    ``x``), all uint32 arrays of one length; ``out`` may be ``x`` or ``b``."""
-    B = _np_rot(b)
+    ``x``), all uint32 arrays of one length; ``out`` may be ``x`` or ``b``. Only ``b >> 16`` is
+    read."""
+    hb = b >> 16
     if not decode:
-        X = _np_rot(x)
-        dh = ((X >> 16) - (B >> 16)) & 0xFFFF
-        f = dh ^ ((dh >> 15) * 0x7FFF)
-        Y = (((X ^ B) & 1) << 31) | ((f & 0x7FFF) << 16) | (X & 0xFFFE) | (f >> 15)
-        out[...] = _np_unrot(Y)
+        hx = x >> 16
+        d = ((hx & 0x7FFF) - (hb & 0x7FFF)) & 0x7FFF
+        f = d ^ ((d >> 14) * 0x3FFF)
+        y = (((hx ^ hb) >> 15) << 31) | ((f & 0x3FFF) << 17) | ((f >> 14) << 16) | (x & 0xFFFF)
+        out[...] = (y >> 1) | (y << 31)
         return
-    Y = _np_rot(x)
-    f = ((Y >> 16) & 0x7FFF) | ((Y & 1) << 15)
-    dh = f ^ ((f >> 15) * 0x7FFF)
-    X = ((((B >> 16) + dh) & 0xFFFF) << 16) | (Y & 0xFFFE) | ((B & 1) ^ (Y >> 31))
-    out[...] = _np_unrot(X)
+    y = (x << 1) | (x >> 31)
+    f = ((y >> 17) & 0x3FFF) | (((y >> 16) & 1) << 14)
+    d = f ^ ((f >> 14) * 0x3FFF)
+    out[...] = ((((hb + d) & 0x7FFF) | (((y >> 31) ^ (hb >> 15)) << 15)) << 16) | (y & 0xFFFF)
 
 
 _M32 = 0xFFFFFFFF
 
 
-def _t_rot(w: torch.Tensor) -> torch.Tensor:
-    return ((w << 1) & _M32) | (w >> 31)
-
-
-def _t_unrot(w: torch.Tensor) -> torch.Tensor:
-    return (w >> 1) | ((w << 31) & _M32)
-
-
 def torch_hidelta(x: torch.Tensor, b: torch.Tensor, out: torch.Tensor, decode: bool) -> None:
     """:func:`np_hidelta` with torch ops (int32 tensors of one device; the arithmetic runs on
     int64 copies: torch has no unsigned 32-bit shifts). The path without Triton kernels."""
-    x64, B = x.to(torch.int64) & _M32, _t_rot(b.to(torch.int64) & _M32)
+    x64 = x.to(torch.int64) & _M32
+    hb = (b.to(torch.int64) & _M32) >> 16
     if not decode:
-        X = _t_rot(x64)
-        dh = ((X >> 16) - (B >> 16)) & 0xFFFF
-        f = dh ^ ((dh >> 15) * 0x7FFF)
-        Y = (((X ^ B) & 1) << 31) | ((f & 0x7FFF) << 16) | (X & 0xFFFE) | (f >> 15)
-        r = _t_unrot(Y)
+        hx = x64 >> 16
+        d = ((hx & 0x7FFF) - (hb & 0x7FFF)) & 0x7FFF
+        f = d ^ ((d >> 14) * 0x3FFF)
+        y = (((hx ^ hb) >> 15) << 31) | ((f & 0x3FFF) << 17) | ((f >> 14) << 16) | (x64 & 0xFFFF)
+        r = (y >> 1) | ((y & 1) << 31)
     else:
-        Y = _t_rot(x64)
-        f = ((Y >> 16) & 0x7FFF) | ((Y & 1) << 15)
-        dh = f ^ ((f >> 15) * 0x7FFF)
-        X = ((((B >> 16) + dh) & 0xFFFF) << 16) | (Y & 0xFFFE) | ((B & 1) ^ (Y >> 31))
-        r = _t_unrot(X)
+        y = ((x64 << 1) & _M32) | (x64 >> 31)
+        f = ((y >> 17) & 0x3FFF) | (((y >> 16) & 1) << 14)
+        d = f ^ ((f >> 14) * 0x3FFF)
+        r = ((((hb + d) & 0x7FFF) | (((y >> 31) ^ (hb >> 15)) << 15)) << 16) | (y & 0xFFFF)
     out.copy_(torch.where(r >= 1 << 31, r - (1 << 32), r).to(torch.int32))
 
 
 @register
 class HiDelta(RefTransform):
-    """``hidelta`` (1.3; ``{"id": "hidelta", "ref": {"base": 0, "storage": j}}``): ``delta`` of
-    float32 words that needs only bits 15..31 of each reference word, so that a reader may read
-    only planes 0, 2 and 3 of a base storage stored with ``byteplane`` (width 4): about 0.57
-    instead of 0.82 of its raw bytes for fp32 weights. With ``rot`` the rotation left by one bit
-    (``byteplane``'s), ``X = rot(x)``, ``B = rot(b)``: the top 16 bits of ``X`` (exponent and
-    upper mantissa) are stored as their sign-folded difference ``f`` from those of ``B``, the
-    sign as ``x``'s XOR ``b``'s; the low 15 mantissa bits as they are. The residual word is
-    ``rot^-1(Y)``, ``Y = s << 31 | (f & 0x7FFF) << 16 | (X & 0xFFFE) | f >> 15``, so that after
-    ``byteplane`` planes 2 and 3 hold the small difference and the sign agreement, and plane 0
-    the difference's sign among random mantissa bits (docs/format.md)."""
+    """``hidelta`` (1.3; ``{"id": "hidelta", "ref": {"base": 0, "storage": j}}``): a ``delta`` of
+    float32 words that reads only the top half (sign, exponent, 7 mantissa bits) of each
+    reference word, so that a reader decodes a base storage stored with ``byteplane`` from two
+    of its four planes (planes 2 and 3 with ``rotate`` 16; planes 0, 2 and 3 with the whole-word
+    rotation): 0.32 or 0.57 instead of 0.82 of the raw bytes of fp32 weights. The top halves'
+    magnitudes (15 bits) are stored as their sign-folded difference ``f``, the sign as the
+    storage's XOR the reference's, the low halves (16 mantissa bits) as they are:
+    ``y = s << 31 | (f & 0x3FFF) << 17 | (f >> 14) << 16 | (x & 0xFFFF)``, and the residual word is
+    ``y`` rotated right by one bit, so that after ``byteplane`` planes 2 and 3 hold the small
+    difference, its sign and the sign agreement, planes 0 and 1 the low mantissa bits
+    (docs/format.md)."""
     wire_id = "hidelta"
     against_base = True
     word = 4
     minor = 3
-    #: the byte planes (of a ``byteplane`` width-4 reference storage) decoding needs
-    base_planes = (0, 2, 3)
 
     def __init__(self, base: int, storage: int) -> None:
         super().__init__()
@@ -747,7 +731,7 @@ def planes_after_ref(tf: Transform | None, ref: RefTransform | None) -> bool:
     """Whether a storage's chain is a bound ``xor`` / ``delta`` then ``byteplane`` of the same word
     width: the pair the fused paths (CUDA kernels, the CPU's cache-blocked numpy pass) undo or
     apply in one pass."""
-    return (isinstance(tf, BytePlane) and isinstance(ref, (Xor, Delta)) and ref.ref is not None
+    return (isinstance(tf, BytePlane) and tf.rotate is None and isinstance(ref, (Xor, Delta)) and ref.ref is not None
             and (not isinstance(ref, Delta) or ref.width == tf.width))
 
 
@@ -758,9 +742,11 @@ def _chain(bp: BytePlane | None, ref: RefTransform | None) -> tuple[int, int] | 
     ``derived``; None for every other chain. The one classification both the fused one-storage
     kernels (:func:`fused_planes`) and the multi-segment ones (:func:`multi_segment`) use."""
     if ref is None:
+        if bp is not None and bp.rotate == 16:  # (its kernels compile after the warm-up's)
+            return (PLAIN16, 4) if rot16_ready() else None
         return (PLAIN, bp.width) if bp is not None else None
-    if ref.ref is None:
-        return None
+    if ref.ref is None or (bp is not None and bp.rotate is not None):
+        return None  # (the reference kernels write the whole-word rotation)
     if bp is not None and planes_after_ref(bp, ref):
         return (DELTA if isinstance(ref, Delta) else XOR), bp.width
     if isinstance(ref, ExpRef) and (bp is None or bp.width == 4):
@@ -812,7 +798,7 @@ def multi_segment(tf: Transform | None, ref: RefTransform | None, at: int, n: in
     if large_alone and n >= MULTI_MAX and bp is not None and (ref is None or isinstance(ref, (Xor, Delta, ExpRef, HiDelta))):
         return None  # a one-storage kernel exists, and is faster on large storages
     if isinstance(ref, ExpGrid):
-        if (bp is not None and bp.width != 4) or n % 4 or at % 4 or addr % 4:
+        if (bp is not None and (bp.width != 4 or bp.rotate is not None)) or n % 4 or at % 4 or addr % 4:
             return None
         r, c = ref._pred(device, 0, ref.rows)
         return (EXPGRID, 4, bp is not None, bp.block if bp is not None else 0, r.data_ptr(), c.data_ptr(),
