@@ -456,8 +456,8 @@ def test_loads_undo_chains_in_one_launch_per_kind(tmp_path, monkeypatch):
         return r
     monkeypatch.setattr(dec, "multi_segment", spy)
     back = ckptzip.load(p, map_location="cuda")
-    from ckptzip.kernels import DERIVED, EXPREF, PLAIN
-    assert {PLAIN, DERIVED, EXPREF} <= set(kinds)
+    from ckptzip.kernels import DERIVED, EXPREF, PLAIN, PLAIN16
+    assert {DERIVED, EXPREF} <= set(kinds) and {PLAIN, PLAIN16} & set(kinds)  # (float32 planes: rotate 16)
 
     def flat(o, pre=""):
         if isinstance(o, dict):

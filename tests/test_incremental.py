@@ -757,3 +757,21 @@ def test_rotate16_base_incremental_reads_two_planes(tmp_path, monkeypatch):
     monkeypatch.setattr(byteplane.PlaneSubset, "decode", lambda self, s, d: (seen.append((self.planes, s.numel())), real(self, s, d)))
     assert_same(ckptzip.load(b), s2)
     assert seen and all(p == (2, 3) for p, _ in seen) and sum(k for _, k in seen) == 2 * 300_000
+
+
+@pytest.mark.parametrize("cfg, err", [
+    ({"id": "byteplane", "width": 4, "block": 8, "rotate": 15}, ckptzip.UnknownCodecError),
+    ({"id": "byteplane", "width": 2, "block": 8, "rotate": 16}, ckptzip.UnknownCodecError),
+    ({"id": "byteplane", "width": 4, "block": 8, "rotate": "16"}, ckptzip.CorruptFileError),
+    ({"id": "byteplane", "width": 4, "block": 8, "rotate": True}, ckptzip.CorruptFileError),
+])
+def test_byteplane_rotate_values_checked(tmp_path, cfg, err):
+    """Only ``rotate`` 16 at width 4 is valid; a file with anything else is refused when opened."""
+    p = tmp_path / "a.ckz"
+    ckptzip.save({"w": torch.randn(1000)}, p)
+    data, doc, rows = read_parts(p)
+    doc["storages"][0]["transforms"] = [dict(cfg, block=doc["storages"][0]["transforms"][0]["block"])]
+    q = tmp_path / "bad.ckz"
+    write_parts(q, data, doc, rows)
+    with pytest.raises(err):
+        ckptzip.open(q)
