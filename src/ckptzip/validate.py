@@ -178,7 +178,8 @@ def _storage(i: int, s: Any, seen: dict | None = None) -> tuple[int, list]:
     ref = tfs[0].get("ref") if tfs and isinstance(tfs[0], dict) and isinstance(tfs[0].get("ref"), dict) else None
     key = None
     if seen is not None:
-        key = (repr(codec), repr(tfs) if ref is None else repr([{k: v for k, v in tfs[0].items() if k != "ref"}] + tfs[1:]))
+        key = (repr(codec), repr(tfs) if ref is None
+               else repr([{k: v for k, v in tfs[0].items() if k != "ref"}] + tfs[1:]))
     hit = seen.get(key) if key is not None else None
     if hit is not None and ref is not None and hit[0][1] is not None:
         from .transforms import get_transform

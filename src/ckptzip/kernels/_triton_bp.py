@@ -13,7 +13,8 @@ TILE = 2048
 
 
 from ..transforms.refs import EXP_HALF, EXP_PRED, NAN16  # noqa: E402
-from . import DELTA, DERIVED, EXPGRID, EXPREF, HASH_MIN, HIDELTA, PARTIAL, PARTIAL16, PLAIN, PLAIN16, XOR  # noqa: E402  (the kernels' MODE constexpr)
+from . import (DELTA, DERIVED, EXPGRID, EXPREF, HASH_MIN, HIDELTA, PARTIAL, PARTIAL16, PLAIN,  # noqa: E402
+               PLAIN16, XOR)  # (the kernels' MODE constexpr)
 #: ``expref``'s masks (transforms/refs.py), as constants a kernel may read
 _EXP_HALF = tl.constexpr(EXP_HALF)
 _PRED = tl.constexpr(EXP_PRED)

@@ -156,9 +156,8 @@ class RefTransform(Transform):
         return repr(self.get_config())
 
 
-@register
-class Xor(RefTransform):
-    wire_id = "xor"
+class _AgainstBase(RefTransform):
+    """A reference transform whose config is ``{"id", "ref": {"base": b, "storage": j}}``."""
     against_base = True
 
     def __init__(self, base: int, storage: int) -> None:
@@ -169,11 +168,17 @@ class Xor(RefTransform):
         return {"id": self.wire_id, "ref": {"base": self.base, "storage": self.storage}}
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "Xor":
+    def from_config(cls, config: dict[str, Any]) -> "_AgainstBase":
         ref = config.get("ref")
         if set(config) - {"id", "ref"} or not isinstance(ref, dict) or set(ref) - {"base", "storage"}:
-            raise UnknownCodecError(f"xor: unknown options in {str(config)[:200]}")
-        return cls(_int(ref.get("base"), "xor ref.base"), _int(ref.get("storage"), "xor ref.storage"))
+            raise UnknownCodecError(f"{cls.wire_id}: unknown options in {str(config)[:200]}")
+        return cls(_int(ref.get("base"), f"{cls.wire_id} ref.base"),
+                   _int(ref.get("storage"), f"{cls.wire_id} ref.storage"))
+
+
+@register
+class Xor(_AgainstBase):
+    wire_id = "xor"
 
     def accepts(self, nbytes: int) -> bool:
         return True
@@ -378,7 +383,7 @@ def torch_hidelta(x: torch.Tensor, b: torch.Tensor, out: torch.Tensor, decode: b
 
 
 @register
-class HiDelta(RefTransform):
+class HiDelta(_AgainstBase):
     """``hidelta`` (1.3; ``{"id": "hidelta", "ref": {"base": 0, "storage": j}}``): a ``delta`` of
     float32 words that reads only the top half (sign, exponent, 7 mantissa bits) of each
     reference word, so that a reader decodes a base storage stored with ``byteplane`` from two
@@ -391,23 +396,8 @@ class HiDelta(RefTransform):
     difference, its sign and the sign agreement, planes 0 and 1 the low mantissa bits
     (docs/format.md)."""
     wire_id = "hidelta"
-    against_base = True
     word = 4
     minor = 3
-
-    def __init__(self, base: int, storage: int) -> None:
-        super().__init__()
-        self.base, self.storage = base, storage
-
-    def get_config(self) -> dict[str, Any]:
-        return {"id": self.wire_id, "ref": {"base": self.base, "storage": self.storage}}
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "HiDelta":
-        ref = config.get("ref")
-        if set(config) - {"id", "ref"} or not isinstance(ref, dict) or set(ref) - {"base", "storage"}:
-            raise UnknownCodecError(f"hidelta: unknown options in {str(config)[:200]}")
-        return cls(_int(ref.get("base"), "hidelta ref.base"), _int(ref.get("storage"), "hidelta ref.storage"))
 
     def accepts(self, nbytes: int) -> bool:
         return nbytes % 4 == 0
@@ -795,7 +785,8 @@ def multi_segment(tf: Transform | None, ref: RefTransform | None, at: int, n: in
     bp = tf if isinstance(tf, BytePlane) else None
     if tf is not None and bp is None:
         return None
-    if large_alone and n >= MULTI_MAX and bp is not None and (ref is None or isinstance(ref, (Xor, Delta, ExpRef, HiDelta))):
+    if (large_alone and n >= MULTI_MAX and bp is not None
+            and (ref is None or isinstance(ref, (Xor, Delta, ExpRef, HiDelta)))):
         return None  # a one-storage kernel exists, and is faster on large storages
     if isinstance(ref, ExpGrid):
         if (bp is not None and (bp.width != 4 or bp.rotate is not None)) or n % 4 or at % 4 or addr % 4:
