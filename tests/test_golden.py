@@ -67,16 +67,23 @@ def test_v11_pair_uses_the_new_transforms(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["v13_hidelta_cpu.ckz", "v13_hidelta_zstd_gpu.ckz"])
-def test_v13_files_use_hidelta(name):
+def test_v13_files_use_hidelta(name, monkeypatch):
     """Format 1.3 (written on a CPU, and on a GPU by the Triton kernel, both zstd): the float32
     weights as ``hidelta`` against the 1.1 base's plain byteplane storage, decoded on the CPU
-    from the base's planes 0, 2 and 3."""
+    from the base's planes 0, 2 and 3, the base's document unread (located storages)."""
+    import ckptzip.api as api
+    from ckptzip.transforms import byteplane
     path = os.path.join(HERE, name)
     assert open(path, "rb").read(12)[8:12] == b"\x01\x00\x03\x00"
     with ckptzip.open(path) as r:
         ids = [[t["id"] for t in s.get("transforms", [])] for s in r.storages]
         assert ["hidelta", "byteplane"] in ids and r.base["file"] == "v11_base_cpu.ckz"
+    seen, opened = [], []
+    real, real_open = byteplane.PlaneSubset.decode, api.open_base
+    monkeypatch.setattr(byteplane.PlaneSubset, "decode", lambda self, s, d: (seen.append(self.planes), real(self, s, d)))
+    monkeypatch.setattr(api, "open_base", lambda *a, **k: (opened.append(1), real_open(*a, **k))[1])
     assert_same(ckptzip.load(path, map_location="cpu"), golden_object_next())
+    assert seen and set(seen) == {(0, 2, 3)} and not opened
 
 
 @pytest.mark.parametrize("base", ["v13_rot16_cpu.ckz", "v13_rot16_zstd_gpu.ckz"])

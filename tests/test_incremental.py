@@ -705,8 +705,9 @@ def test_few_unlocatable_base_storages_are_stored_standalone(tmp_path):
 @pytest.mark.parametrize("n,block", [(1, 8), (1000, 64), (70_001, 4096)])
 def test_byteplane_rotate16_layout(n, block, monkeypatch):
     """``byteplane`` ``rotate`` 16 (format 1.3): plane 3 holds the exponent, plane 2 the sign
-    beside the 7 upper mantissa bits, planes 1 and 0 the low mantissa bytes; numpy (C) and torch
-    paths write and read the same bytes, special values included, the input untouched."""
+    beside the 7 upper mantissa bits, planes 1 and 0 the low mantissa bytes; the numpy (C) path
+    and the torch path's transposition write and read the same bytes, special values included,
+    the input untouched (the torch branches of the word turning run in the GPU suite)."""
     from ckptzip.transforms.byteplane import BytePlane, _post16
     g = torch.Generator().manual_seed(n)
     x = torch.randint(0, 256, (4 * n,), dtype=torch.uint8, generator=g)
@@ -775,3 +776,43 @@ def test_byteplane_rotate_values_checked(tmp_path, cfg, err):
     write_parts(q, data, doc, rows)
     with pytest.raises(err):
         ckptzip.open(q)
+
+
+def test_hidelta_against_a_base_storage_that_is_itself_a_delta(tmp_path, monkeypatch):
+    """A file (of another writer) whose hidelta refers to a base storage stored as delta against
+    the base's own base: that base's base storage is decoded whole (the delta is applied onto it
+    in place), not from three planes; bit-exact. verify() reads every plane of the base storages
+    an incremental file needs: a damaged plane-1 chunk of a base passes a load, not verify()."""
+    from ckptzip import incremental
+    g = torch.Generator().manual_seed(3)
+    w0 = torch.randn(300_000, generator=g) * 0.02
+    w1 = w0 + 1e-4 * torch.randn(300_000, generator=g)
+    w2 = w1 + 1e-6 * torch.randn(300_000, generator=g)
+    a, b, c = tmp_path / "a.ckz", tmp_path / "b.ckz", tmp_path / "c.ckz"
+    ckptzip.save({"w": w0}, a, device="cpu")
+    monkeypatch.setattr(incremental, "plain_planes", lambda s, w: False)  # b stores w as delta
+    ckptzip.save({"w": w1}, b, base=a, device="cpu")
+    monkeypatch.setattr(incremental, "plain_planes", lambda s, w: True)   # c: hidelta against it anyway
+    ckptzip.save({"w": w2}, c, base=b, device="cpu")
+    assert transforms_of(b)[0][0] == "delta" and transforms_of(c)[0][0] == "hidelta"
+    assert torch.equal(ckptzip.load(c)["w"].view(torch.int32), w2.view(torch.int32))
+    # verify reads all planes: damage a plane-1 chunk of a plain base
+    d, e = tmp_path / "d.ckz", tmp_path / "e.ckz"
+    ckptzip.save({"w": w0}, d, device="cpu")
+    monkeypatch.undo()
+    ckptzip.save({"w": w1}, e, base=d, device="cpu")
+    assert transforms_of(e)[0][0] == "hidelta"
+    with ckptzip.open(d) as r:
+        tf = r.storages[0]["transforms"][0]
+        first, count = r.storages[0]["rows"]
+        rows = r.manifest.rows[first:first + count]
+    raw = rows["raw"].astype(np.int64)
+    starts = np.cumsum(raw) - raw
+    span = tf["block"] * 4
+    plane = (starts % span) // np.minimum(tf["block"], 300_000 - starts // span * tf["block"])
+    data = bytearray(d.read_bytes())
+    data[int(rows["offset"][int(np.nonzero(plane == 1)[0][0])])] ^= 0xFF
+    d.write_bytes(bytes(data))
+    assert torch.equal(ckptzip.load(e)["w"].view(torch.int32), w1.view(torch.int32))
+    with pytest.raises(ckptzip.ChecksumError):
+        ckptzip.open(e).verify()

@@ -150,6 +150,7 @@ class CheckpointReader:
         self._fd = None
         self._base = None
         self._base_file = None  # (format 1.3: the base opened for the storages this file's record locates)
+        self._full_planes = False  # verify(): every plane of the base storages read and checksummed
         self._depth = _depth
         self.base_dir, self.base_path = base_dir, base_path
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool)
@@ -388,13 +389,16 @@ class CheckpointReader:
                         j.out.copy_(first[j.ref.storage])
             else:
                 pre, pre_breaks = base._plan_fill(first)
-                partial = {id(j.out) for j in xors if isinstance(j.ref, HiDelta)}
-                # (not where another base storage refers to it: a derived one needs all its bits)
-                partial -= {id(j.ref.ref) for j in pre if j.ref is not None and j.ref.local}
+                partial = set() if self._full_planes else {id(j.out) for j in xors if isinstance(j.ref, HiDelta)}
+                # not where another job reads that storage's words: a storage of the base that
+                # refers to it (derived), or the base's own reference transform undone in place
+                # onto what its base's job wrote there (then that job is not the base's own)
+                partial -= {id(j.ref.ref) for j in pre if j.ref is not None}
                 for j in pre:
-                    if j.fd is None:
+                    own = j.fd is None  # (the base's base's jobs come with their fd set)
+                    if own:
                         j.fd = base._fd
-                    if id(j.out) in partial:
+                    if own and id(j.out) in partial:
                         _planes_only(j)
             for j in xors:
                 j.ref = j.ref.bind(j.out)  # in place: out holds the base, the residual is applied to it
@@ -432,7 +436,7 @@ class CheckpointReader:
                 return None
             job = self._job_of(got[1], got[0], j.out)
             job.fd = bf.fd
-            if isinstance(j.ref, HiDelta):
+            if isinstance(j.ref, HiDelta) and not self._full_planes:
                 _planes_only(job)
             jobs.append(job)
         return jobs
@@ -549,19 +553,25 @@ class CheckpointReader:
         """Decode every storage (checking every checksum); raises on the first failure.
 
         One pipelined pass in file order, in batches of about 256 MiB of decoded bytes (at least
-        one storage) whose results are dropped: linear in the number of storages."""
+        one storage) whose results are dropped: linear in the number of storages. The base
+        storages an incremental file needs are read whole (a load may read only some of their
+        byte planes, format 1.3)."""
         total = self._total_bytes()
         self._check_budget(total, "the checkpoint")
         batch: dict[int, Job] = {}
         size = 0
-        for i in range(len(self.storages)):
-            batch[i] = self._job(i, "ndarray")
-            size += self.storages[i]["nbytes"]
-            if size >= _VERIFY_BATCH or i == len(self.storages) - 1:
-                self._decode(batch, total)
-                for j in batch:
-                    self._cache.pop(j, None)
-                batch, size = {}, 0
+        self._full_planes = True
+        try:
+            for i in range(len(self.storages)):
+                batch[i] = self._job(i, "ndarray")
+                size += self.storages[i]["nbytes"]
+                if size >= _VERIFY_BATCH or i == len(self.storages) - 1:
+                    self._decode(batch, total)
+                    for j in batch:
+                        self._cache.pop(j, None)
+                    batch, size = {}, 0
+        finally:
+            self._full_planes = False
 
     def close(self) -> None:
         if getattr(self, "_base", None) is not None:

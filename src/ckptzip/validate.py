@@ -259,7 +259,7 @@ def _base_hints(k: int, b: dict[str, Any]) -> None:
     ``chains`` (``{"transforms", "codec"}``: at most a ``byteplane``), format 1.3. Ranges in the
     base's chunk table are checked against that table when it is read."""
     chains, rows = b["chains"], b["storages"]
-    if not isinstance(chains, list) or not isinstance(rows, list) or len(chains) > len(rows):
+    if not isinstance(chains, list) or not isinstance(rows, list):
         raise _bad(f"base {k} storages/chains")
     for c, ch in enumerate(chains):
         if not isinstance(ch, dict) or set(ch) != {"transforms", "codec"}:

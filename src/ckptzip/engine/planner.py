@@ -210,7 +210,7 @@ class Planner:
         if not reuse or not local_only or alt_tfs:  # delta/xor: sampled against this save's base, never cached
             return self._plan_all(refs, window, ref_tfs, alt_tfs)
         key = (repr(sorted(self.cfg.items())), self.transform, self.chunk_size, self.level, self.dev,
-               self.portable, self.slow_storage, window,
+               self.portable, self.slow_storage, window, self._rot16(),
                tuple((r.data.numel(), r.elem, r.float_width) for r in refs),
                tuple(sorted((i, rt.layout_key()) for i, rt in (ref_tfs or {}).items())))
         with _PLAN_LOCK:
@@ -275,7 +275,7 @@ class Planner:
             if "ref" in var:
                 plans[i] = refplan.choose_ref(plans[i], var, stored, i, min(ref.data.numel(), self.sample),
                                               RAW_PLANE_RATIO)
-        if (self.dev == "cuda" and (triton_kernels(start=False) is None or rot16_ready())) or ROT16_ON_CPU:
+        if self._rot16():
             # float32 planes alone on a GPU: byteplane rotate 16 (format 1.3). Same planes'
             # statistics as the whole-word rotation (the sign moves between two planes of
             # random mantissa bits), and a later incremental file's hidelta then reads only
@@ -288,6 +288,10 @@ class Planner:
                      and p.transform.rotate is None and refs[i].elem == "float32" else p
                      for i, p in enumerate(plans)]
         return plans
+
+    def _rot16(self) -> bool:
+        """Whether float32 planes alone get ``byteplane`` ``rotate`` 16 now (see :meth:`_plan_all`)."""
+        return (self.dev == "cuda" and (triton_kernels(start=False) is None or rot16_ready())) or ROT16_ON_CPU
 
     def _decide(self, ref: StorageRef, plan: Plan, var: dict, stored: dict, i: int) -> Plan:
         tf = plan.transform

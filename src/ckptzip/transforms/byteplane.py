@@ -18,7 +18,7 @@ import torch
 from .. import native
 from ..codecs.base import MAX_CHUNK
 from ..errors import CorruptFileError, UnknownCodecError
-from ..kernels import rot16_ready, triton_kernels
+from ..kernels import launch, rot16_ready, triton_kernels
 from .base import Transform, register
 
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -334,8 +334,9 @@ class PlaneSubset:
         if not n:
             return
         tk = triton_kernels(start=False) if src.is_cuda and dst.is_cuda else None
-        if tk is not None and dst.data_ptr() % 4 == 0 and self.rotate is None:
-            return tk.decode_part(src, dst, self.block)
+        if (tk is not None and dst.data_ptr() % 4 == 0 and self.rotate is None
+                and launch("decode_part", tk.decode_part, src, dst, self.block)):
+            return
         self._decode(src, dst, src.device.type != "cpu" or dst.device.type != "cpu")
 
     def _decode(self, src: torch.Tensor, dst: torch.Tensor, torch_ops: bool) -> None:

@@ -361,6 +361,8 @@ def np_hidelta(x: np.ndarray, b: np.ndarray, out: np.ndarray, decode: bool) -> N
 
 
 _M32 = 0xFFFFFFFF
+#: words per call of :func:`torch_hidelta` (its int64 temporaries: 16 MiB each)
+_HIDELTA_PIECE = 2 << 20
 
 
 def torch_hidelta(x: torch.Tensor, b: torch.Tensor, out: torch.Tensor, decode: bool) -> None:
@@ -413,7 +415,10 @@ class HiDelta(_AgainstBase):
             return
         src, ref = aligned(src, 4), aligned(ref, 4)
         o = dst if dst.data_ptr() % 4 == 0 else torch.empty_like(dst)
-        torch_hidelta(src.view(torch.int32), ref.view(torch.int32), o.view(torch.int32), decode)
+        x, r, w = src.view(torch.int32), ref.view(torch.int32), o.view(torch.int32)
+        for a in range(0, x.numel(), _HIDELTA_PIECE):  # (int64 temporaries of one piece at a time)
+            z = a + _HIDELTA_PIECE
+            torch_hidelta(x[a:z], r[a:z], w[a:z], decode)
         if o is not dst:
             dst.copy_(o)
 
