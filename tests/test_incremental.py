@@ -617,6 +617,19 @@ def test_plane_subset_and_plane_rows():
     assert plane_rows(bad, bp, 4 * n, PlaneSubset(block).planes) is None
 
 
+def _chunk_planes(path) -> tuple[np.ndarray, np.ndarray]:
+    """File offsets of storage 0's chunks and the byte plane each holds (byteplane width 4)."""
+    with ckptzip.open(path) as r:
+        s = r.storages[0]
+        block, n = s["transforms"][0]["block"], s["nbytes"] // 4
+        first, count = s["rows"]
+        rows = r.manifest.rows[first:first + count]
+    raw = rows["raw"].astype(np.int64)
+    starts = np.cumsum(raw) - raw
+    span = block * 4
+    return rows["offset"].astype(np.int64), (starts % span) // np.minimum(block, n - starts // span * block)
+
+
 def test_hidelta_load_reads_three_planes_of_its_base(tmp_path, monkeypatch):
     """An incremental load decodes the base's float32 storages from planes 0, 2 and 3 only: a
     damaged plane-1 chunk of the base is not read (the base's own verify() finds it), a damaged
@@ -637,22 +650,14 @@ def test_hidelta_load_reads_three_planes_of_its_base(tmp_path, monkeypatch):
     with ckptzip.open(a) as r:  # (a GPU machine's save: rotate 16, planes 2 and 3 read)
         tf = r.storages[0]["transforms"][0]
     assert sum(used) == (2 if tf.get("rotate") == 16 else 3) * 300_000
-    with ckptzip.open(a) as r:
-        tf = r.storages[0]["transforms"][0]
-        first, count = r.storages[0]["rows"]
-        rows = r.manifest.rows[first:first + count]
-    raw = rows["raw"].astype(np.int64)
-    starts = np.cumsum(raw) - raw
-    plane = (starts % (tf["block"] * 4)) // np.minimum(tf["block"], 300_000 - starts // (tf["block"] * 4) * tf["block"])
+    offsets, plane = _chunk_planes(a)
     data = bytearray(a.read_bytes())
-    k1 = int(np.nonzero(plane == 1)[0][0])
-    data[int(rows["offset"][k1])] ^= 0xFF
+    data[offsets[plane == 1][0]] ^= 0xFF
     a.write_bytes(bytes(data))
     assert_same(ckptzip.load(b), s2)  # plane 1 is not read
     with pytest.raises(ckptzip.ChecksumError):
         ckptzip.open(a).verify()
-    k3 = int(np.nonzero(plane == 3)[0][0])
-    data[int(rows["offset"][k3])] ^= 0xFF
+    data[offsets[plane == 3][0]] ^= 0xFF
     a.write_bytes(bytes(data))
     with pytest.raises(ckptzip.ChecksumError):
         ckptzip.load(b)
@@ -802,16 +807,9 @@ def test_hidelta_against_a_base_storage_that_is_itself_a_delta(tmp_path, monkeyp
     monkeypatch.undo()
     ckptzip.save({"w": w1}, e, base=d, device="cpu")
     assert transforms_of(e)[0][0] == "hidelta"
-    with ckptzip.open(d) as r:
-        tf = r.storages[0]["transforms"][0]
-        first, count = r.storages[0]["rows"]
-        rows = r.manifest.rows[first:first + count]
-    raw = rows["raw"].astype(np.int64)
-    starts = np.cumsum(raw) - raw
-    span = tf["block"] * 4
-    plane = (starts % span) // np.minimum(tf["block"], 300_000 - starts // span * tf["block"])
+    offsets, plane = _chunk_planes(d)
     data = bytearray(d.read_bytes())
-    data[int(rows["offset"][int(np.nonzero(plane == 1)[0][0])])] ^= 0xFF
+    data[offsets[plane == 1][0]] ^= 0xFF
     d.write_bytes(bytes(data))
     assert torch.equal(ckptzip.load(e)["w"].view(torch.int32), w1.view(torch.int32))
     with pytest.raises(ckptzip.ChecksumError):
