@@ -434,7 +434,7 @@ class CheckpointReader:
             got = bf.storage(j.ref.storage, j.out.numel())
             if got is None:
                 return None
-            job = self._job_of(got[1], got[0], j.out)
+            job = self._job_of(got[1], got[0], j.out, got[2])
             job.fd = bf.fd
             if isinstance(j.ref, HiDelta) and not self._full_planes:
                 _planes_only(job)

@@ -164,6 +164,7 @@ class BaseFile:
                 raise CorruptFileError("chunk table size")
             self.rows = np.frombuffer(bytes(raw[tstart:]), dtype=ROW)
             check_rows(self.rows, off)
+            self._ends = np.concatenate([[0], np.cumsum(self.rows["raw"].astype(np.int64))])
         except BaseException as e:
             os.close(self.fd)
             if isinstance(e, (BaseCheckpointError, KeyboardInterrupt, SystemExit, MemoryError)):
@@ -171,21 +172,24 @@ class BaseFile:
             raise BaseCheckpointError(f"{what} cannot be read: {type(e).__name__}: {e}") from None
         self.hints = {r[0]: r for r in record["storages"]}
         self.chains = record["chains"]
+        # one parsed-chain list per chain (engine.storage_chain caches by its identity)
+        self.parsed = [[(cfg, None) for cfg in c["transforms"]] for c in self.chains]
 
-    def storage(self, j: int, nbytes: int) -> tuple[np.ndarray, dict[str, Any]] | None:
-        """``(chunk rows, storage record)`` of base storage ``j`` of ``nbytes`` bytes as the
-        record locates it (rows checked: in the table, adding up to ``nbytes``), or None when
-        the record does not locate it."""
+    def storage(self, j: int, nbytes: int) -> tuple[np.ndarray, dict[str, Any], list] | None:
+        """``(chunk rows, storage record, parsed chain)`` of base storage ``j`` of ``nbytes``
+        bytes as the record locates it (rows checked: in the table, adding up to ``nbytes``), or
+        None when the record does not locate it."""
         h = self.hints.get(j)
         if h is None:
             return None
         _j, first, count, k = h
         if first + count > len(self.rows):
             raise CorruptFileError(f"base storage {j}: rows {first}+{count} beyond the base's chunk table")
-        rows = self.rows[first:first + count]
-        if int(rows["raw"].astype(np.int64).sum()) != nbytes:
+        if int(self._ends[first + count] - self._ends[first]) != nbytes:
             raise CorruptFileError(f"base storage {j}: its chunks do not add up to {nbytes} bytes")
-        return rows, {"nbytes": nbytes, "transforms": self.chains[k]["transforms"], "codec": self.chains[k]["codec"]}
+        c = self.chains[k]
+        return (self.rows[first:first + count], {"nbytes": nbytes, "transforms": c["transforms"], "codec": c["codec"]},
+                self.parsed[k])
 
     def close(self) -> None:
         if self.fd is not None:

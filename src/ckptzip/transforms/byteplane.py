@@ -379,11 +379,11 @@ def plane_rows(rows: np.ndarray, tf: BytePlane, nbytes: int, planes: tuple[int, 
     n = nbytes // w
     if not n or not len(rows):
         return None
-    raws = rows["raw"].tolist()
-    key = (w, b, nbytes, tuple(planes), *raws)  # (storages of one shape share a chunk layout)
+    raw = rows["raw"]
+    key = (w, b, nbytes, tuple(planes), raw.tobytes())  # (storages of one shape share a chunk layout)
     keep = _PLANE_ROWS.get(key)
     if keep is None:
-        keep = _plane_rows(raws, w, b, n, planes)
+        keep = _plane_rows(raw.tolist(), w, b, n, planes)
         if len(_PLANE_ROWS) > 4096:
             _PLANE_ROWS.clear()
         _PLANE_ROWS[key] = keep
