@@ -13,11 +13,11 @@ from . import __version__  # noqa: F401  (the CLI reads it from here)
 from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, Job, decode_jobs, gpu_decode_window, gpu_ok,
                      storage_chain)
 from .errors import BaseCheckpointError, CorruptFileError, GPURequiredError, ResourceLimitError, TensorNotFoundError
-from .format import FOOTER_SIZE, HEADER_SIZE, check_header, parse_footer, parse_manifest
+from .format import parse_manifest
+from .io.reader import read_manifest
 from .kernels import triton_kernels
 from .pipeline import prepare, write
-from .storage import (FileObjectSource, RemoteSource, is_file_object, is_url, local_path, open_regular,
-                      pread_into)
+from .storage import FileObjectSource, RemoteSource, is_file_object, is_url, local_path, open_regular
 from .incremental import chain as _chain
 from .incremental import manifest_sha256, open_base, open_base_file
 from .transforms.byteplane import BytePlane, PlaneSubset, plane_rows
@@ -182,17 +182,7 @@ class CheckpointReader:
 
     def _open(self) -> None:
         size = self._fd.size if self._remote else os.fstat(self._fd).st_size
-        head = bytearray(min(size, HEADER_SIZE))
-        if head:
-            pread_into(self._fd, memoryview(head), 0)
-        check_header(bytes(head))
-        if size < HEADER_SIZE + FOOTER_SIZE:
-            parse_footer(b"", size)
-        foot = bytearray(FOOTER_SIZE)
-        pread_into(self._fd, memoryview(foot), size - FOOTER_SIZE)
-        off, length, digest = parse_footer(bytes(foot), size)
-        raw = bytearray(length)
-        pread_into(self._fd, memoryview(raw), off)
+        raw, off, digest = read_manifest(self._fd, size)
         self.manifest = parse_manifest(bytes(raw), digest, off)
         self.manifest_sha256 = manifest_sha256(raw)
         self.file_size = size
@@ -368,8 +358,6 @@ class CheckpointReader:
         located = self._located_base_jobs(xors) if xors else None
         if located is not None:  # (format 1.3: planned from this file's record, the base's document unread)
             pre = located
-            for j in xors:
-                j.ref = j.ref.bind(j.out)
         elif xors:
             base = self.base_reader()
             first: dict[int, torch.Tensor] = {}
@@ -400,8 +388,8 @@ class CheckpointReader:
                         j.fd = base._fd
                     if own and id(j.out) in partial:
                         _planes_only(j)
-            for j in xors:
-                j.ref = j.ref.bind(j.out)  # in place: out holds the base, the residual is applied to it
+        for j in xors:
+            j.ref = j.ref.bind(j.out)  # in place: out holds the base, the residual is applied to it
         batch = [jobs[i] for i in order]
         for j in batch:
             if j.ref is not None and j.ref.local:
@@ -417,17 +405,17 @@ class CheckpointReader:
         :class:`~ckptzip.incremental.BaseFile`; None where the record does not locate every one
         of them, two share a base storage, or the base is not a local file (the caller then
         opens the base as a reader)."""
+        if len({j.ref.storage for j in xors}) < len(xors):
+            return None
         if self._base_file is None:
             if not self.bases or "storages" not in self.bases[0]:
                 return None
             hints = {r[0] for r in self.bases[0]["storages"]}
-            if any(j.ref.storage not in hints for j in xors) or len({j.ref.storage for j in xors}) < len(xors):
+            if any(j.ref.storage not in hints for j in xors):
                 return None
             self._base_file = open_base_file(self, self.base_dir, self.base_path)
             if self._base_file is None:
                 return None
-        if len({x.ref.storage for x in xors}) < len(xors):
-            return None
         bf = self._base_file
         jobs = []
         for j in xors:

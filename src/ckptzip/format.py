@@ -108,7 +108,7 @@ def parse_manifest(raw: bytes, digest: int, data_end: int) -> Manifest:
         raise UnsupportedVersionError(f"manifest version {ver}; this reader reads {VERSION[0]}.x")
     _need(doc.get("format") == "ckz", "format tag")
     n = doc.get("n_chunks")
-    tstart = 4 + jlen + (-(4 + jlen)) % 8
+    tstart = table_start(jlen)
     _need(_is_int(n) and n >= 0 and tstart + n * ROW.itemsize == len(raw), "chunk table size")
     rows = np.frombuffer(raw, dtype=ROW, count=n, offset=tstart) if n else np.zeros(0, ROW)
     check_rows(rows, data_end)
@@ -150,6 +150,12 @@ def parse_manifest(raw: bytes, digest: int, data_end: int) -> Manifest:
     chains: list = []
     total = validate_document(doc, n, chains)
     return Manifest(doc, rows, data_end, total, chains)
+
+
+def table_start(jlen: int) -> int:
+    """Where the chunk table starts in a manifest whose JSON has ``jlen`` bytes (after the u32
+    length and the JSON, padded to a multiple of 8)."""
+    return 4 + jlen + (-(4 + jlen)) % 8
 
 
 def check_rows(rows: np.ndarray, data_end: int) -> None:

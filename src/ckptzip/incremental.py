@@ -19,9 +19,8 @@ import os
 import posixpath
 from typing import Any
 
-import torch
-
 import numpy as np
+import torch
 
 from .errors import BaseCheckpointError, CorruptFileError
 from .storage import is_url
@@ -134,8 +133,9 @@ class BaseFile:
 
     def __init__(self, where: str, record: dict[str, Any], what: str) -> None:
         import struct
-        from .format import FOOTER_SIZE, HEADER_SIZE, ROW, check_header, check_rows, checksum, parse_footer
-        from .storage import local_path, open_regular, pread_into
+        from .format import ROW, check_rows, checksum, table_start
+        from .io.reader import read_manifest
+        from .storage import local_path, open_regular
         try:
             self.fd = open_regular(local_path(where))
         except FileNotFoundError:
@@ -147,20 +147,13 @@ class BaseFile:
             if size != record["size"]:
                 raise BaseCheckpointError(f"{what} was altered or replaced: its size ({size}) differs from the "
                                           f"record ({record['size']})")
-            head = bytearray(HEADER_SIZE)
-            pread_into(self.fd, memoryview(head), 0)
-            check_header(bytes(head))
-            foot = bytearray(FOOTER_SIZE)
-            pread_into(self.fd, memoryview(foot), size - FOOTER_SIZE)
-            off, length, digest = parse_footer(bytes(foot), size)
-            raw = bytearray(length)
-            pread_into(self.fd, memoryview(raw), off)
+            raw, off, digest = read_manifest(self.fd, size)
             if checksum(raw) != digest or manifest_sha256(raw) != record["sha256"]:
                 raise BaseCheckpointError(f"{what} was altered or replaced: its manifest differs from the "
                                           f"record (SHA-256 {record['sha256'][:16]}...)")
             (jlen,) = struct.unpack_from("<I", raw)
-            tstart = 4 + jlen + (-(4 + jlen)) % 8
-            if tstart > length or (length - tstart) % ROW.itemsize:
+            tstart = table_start(jlen)
+            if tstart > len(raw) or (len(raw) - tstart) % ROW.itemsize:
                 raise CorruptFileError("chunk table size")
             self.rows = np.frombuffer(bytes(raw[tstart:]), dtype=ROW)
             check_rows(self.rows, off)

@@ -174,6 +174,20 @@ def will_need(fd, offset: int, length: int = READAHEAD) -> None:
 NATIVE_PIECE = 4 << 20
 
 
+def split_ranges(aoffs, boffs, lens, piece: int):
+    """Ranges ``(aoffs[i], boffs[i], lens[i])`` (int64 arrays: a source offset, a destination
+    offset, a length) with every one longer than ``piece`` cut into pieces of ``piece`` bytes
+    (the last shorter), in order; the arrays themselves where none is."""
+    import numpy as np
+    cnt = np.maximum(1, -(-lens // piece))
+    if not len(cnt) or int(cnt.max()) <= 1:
+        return aoffs, boffs, lens
+    first = np.repeat(np.cumsum(cnt) - cnt, cnt)
+    within = (np.arange(int(cnt.sum()), dtype=np.int64) - first) * piece
+    return (np.repeat(aoffs, cnt) + within, np.repeat(boffs, cnt) + within,
+            np.minimum(np.repeat(lens, cnt) - within, piece))
+
+
 def pread_ranges(fd: int, buf, foffs, boffs, lens) -> None:
     """``buf[boffs[i]:+lens[i]]`` = the bytes of the local file ``fd`` at ``foffs[i]``, for
     every i, by ``READ_THREADS`` threads in C without the GIL (``ckptzip._bpnative``: Python
@@ -183,13 +197,7 @@ def pread_ranges(fd: int, buf, foffs, boffs, lens) -> None:
     import numpy as np
     from . import native
     fo, bo, ln = (np.asarray(x, dtype=np.int64) for x in (foffs, boffs, lens))
-    piece = NATIVE_PIECE if native.lib is not None else _PARALLEL_PIECE
-    cnt = np.maximum(1, -(-ln // piece))
-    if len(cnt) and int(cnt.max()) > 1:  # cut long ranges into pieces
-        first = np.repeat(np.cumsum(cnt) - cnt, cnt)
-        within = (np.arange(int(cnt.sum()), dtype=np.int64) - first) * piece
-        rl = np.repeat(ln, cnt)
-        fo, bo, ln = np.repeat(fo, cnt) + within, np.repeat(bo, cnt) + within, np.minimum(rl - within, piece)
+    fo, bo, ln = split_ranges(fo, bo, ln, NATIVE_PIECE if native.lib is not None else _PARALLEL_PIECE)
     if native.lib is None:
         b = memoryview(buf).cast("B")
         run_all([read_pool().submit(pread_exact, fd, b[o:o + k], f) for f, o, k in zip(fo.tolist(), bo.tolist(), ln.tolist())])

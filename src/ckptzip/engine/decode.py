@@ -21,6 +21,7 @@ from ..codecs.gpu import release_scratch
 from ..errors import ChecksumError, CorruptFileError
 from ..format import FLAG_STORED_RAW
 from ..io.reader import read_split, read_stored
+from ..storage import split_ranges
 from ..kernels import PARTIAL, PARTIAL16, enabled, launch, triton_kernels
 from ..transforms import RefTransform, Transform, get_transform
 from ..transforms.byteplane import PlaneSubset, np_decode_onto
@@ -458,14 +459,7 @@ def _np_copy_segments(src: np.ndarray, soffs: np.ndarray, dst: np.ndarray, doffs
     if native.lib is not None:  # in C, without the GIL, split between the pool's threads
         k = cpu_threads() if int(lens.sum()) >= ccpu.PARALLEL_BYTES else 1
         if k > 1:  # merged runs longer than a thread's share are cut into shares first
-            piece = -(-int(lens.sum()) // k)
-            cuts = -(-lens // piece)
-            if (cuts > 1).any():
-                idx = np.repeat(np.arange(len(lens)), cuts)
-                at = np.arange(len(idx)) - np.repeat(np.cumsum(cuts) - cuts, cuts)  # piece number in its run
-                off = at * piece
-                lens = np.minimum(lens[idx] - off, piece)
-                soffs, doffs = soffs[idx] + off, doffs[idx] + off
+            soffs, doffs, lens = split_ranges(soffs, doffs, lens, -(-int(lens.sum()) // k))
         parts = runs(lens.tolist(), k) if k > 1 else [range(len(lens))]
         pmap(lambda r: native.lib.copy_segments(src, dst, *(np.ascontiguousarray(a[parts[r].start:parts[r].stop])
                                                             for a in (soffs, doffs, lens))), len(parts))

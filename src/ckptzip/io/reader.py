@@ -9,10 +9,28 @@ import torch
 
 from ..engine.memory import ALIGN, HOST, PINNED, ceil_align
 from ..errors import ChecksumError
-from ..format import FLAG_STORED_RAW, checksum
+from ..format import FLAG_STORED_RAW, FOOTER_SIZE, HEADER_SIZE, check_header, checksum, parse_footer
 from ..kernels import HASH_MIN
 from .. import native
 from ..storage import READ_THREADS, pread_exact, pread_into, pread_ranges, read_pool, run_all, will_need
+
+
+def read_manifest(src, size: int) -> tuple[bytearray, int, int]:
+    """The manifest bytes of a checkpoint of ``size`` bytes (an fd or a positional-read source),
+    its offset (the data section's end) and the footer's XXH3-64 of it; the header and footer
+    are checked first (named errors for a file that is not a checkpoint or is cut short)."""
+    head = bytearray(min(size, HEADER_SIZE))
+    if head:
+        pread_into(src, memoryview(head), 0)
+    check_header(bytes(head))
+    if size < HEADER_SIZE + FOOTER_SIZE:
+        parse_footer(b"", size)
+    foot = bytearray(FOOTER_SIZE)
+    pread_into(src, memoryview(foot), size - FOOTER_SIZE)
+    off, length, digest = parse_footer(bytes(foot), size)
+    raw = bytearray(length)
+    pread_into(src, memoryview(raw), off)
+    return raw, off, digest
 
 
 def read_stored(fd: int, batch: np.ndarray, pinned: bool = False, gpu_hash: bool = False

@@ -59,10 +59,6 @@ class BytePlane(Transform):
         """The format minor version a file that uses this config needs (``rotate``: 1.3)."""
         return 3 if self.rotate is not None else 0
 
-    def whole(self) -> "BytePlane":
-        """This transform with the whole-word rotation (what the fused reference kernels write)."""
-        return self if self.rotate is None else BytePlane(self.width, self.block)
-
     def accepts(self, nbytes: int) -> bool:
         return nbytes % self.width == 0
 
