@@ -85,6 +85,23 @@ def assert_same(a, b, path="root"):
         assert a == b, path
 
 
+def check_rotate16_paths(bp, x: torch.Tensor, want: torch.Tensor) -> None:
+    """``byteplane`` ``rotate`` 16 (``bp``) on words ``x`` (flat uint8, any device): the torch
+    path writes ``want`` (the expected planes), and the default and torch decodes restore ``x``."""
+    from ckptzip.transforms.byteplane import _post16
+    planes = want.to(x.device)
+    t = torch.empty_like(x)
+    bp._torch_encode(x, t)  # (the torch path turns the words itself, piece by piece)
+    assert torch.equal(t, planes)
+    back = torch.empty_like(x)
+    bp.decode(planes, back)
+    assert torch.equal(back, x)
+    back_t = torch.empty_like(x)
+    bp._torch_decode(planes, back_t)
+    _post16(back_t)
+    assert torch.equal(back_t, x)
+
+
 def read_parts(path):
     """(header+data bytes, manifest doc, rows) of a .ckz file."""
     raw = open(path, "rb").read()

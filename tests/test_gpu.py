@@ -788,7 +788,7 @@ def test_rotate16_kernels_match_cpu(n, block):
     from ckptzip import kernels
     from ckptzip.kernels import PLAIN16
     from ckptzip.transforms import BytePlane
-    from ckptzip.transforms.byteplane import _post16
+    from conftest import check_rotate16_paths
     tk = kernels.triton_kernels(wait=True)
     if tk is None:
         pytest.skip("no Triton")
@@ -801,16 +801,7 @@ def test_rotate16_kernels_match_cpu(n, block):
     want = bp.encode(x.cpu())
     got = bp.encode(x)
     assert torch.equal(got.cpu(), want)
-    t = torch.empty_like(x)
-    bp._torch_encode(x, t)
-    assert torch.equal(t.cpu(), want)
-    back = torch.empty_like(x)
-    bp.decode(got, back)
-    assert torch.equal(back, x)
-    back2 = torch.empty_like(x)
-    bp._torch_decode(got, back2)
-    _post16(back2)
-    assert torch.equal(back2, x)
+    check_rotate16_paths(bp, x, want)
     # multi-segment: one segment, planes at 0, words at 4n (table as decode_multi documents)
     buf = torch.zeros(8 * n + 64, dtype=torch.uint8, device="cuda")
     buf[:4 * n] = got

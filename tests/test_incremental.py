@@ -13,7 +13,7 @@ import ckptzip
 from ckptzip.engine.refplan import find_derived
 from ckptzip.transforms.refs import cast16
 from ckptzip.tree import Encoder
-from conftest import assert_same, read_parts, write_parts
+from conftest import assert_same, check_rotate16_paths, read_parts, write_parts
 
 
 def transforms_of(path):
@@ -713,7 +713,7 @@ def test_byteplane_rotate16_layout(n, block, monkeypatch):
     beside the 7 upper mantissa bits, planes 1 and 0 the low mantissa bytes; the numpy (C) path
     and the torch path's transposition write and read the same bytes, special values included,
     the input untouched (the torch branches of the word turning run in the GPU suite)."""
-    from ckptzip.transforms.byteplane import BytePlane, _post16
+    from ckptzip.transforms.byteplane import BytePlane
     g = torch.Generator().manual_seed(n)
     x = torch.randint(0, 256, (4 * n,), dtype=torch.uint8, generator=g)
     if n >= 8:
@@ -730,16 +730,7 @@ def test_byteplane_rotate16_layout(n, block, monkeypatch):
     assert (planes[3] == ((u[:m] >> 23) & 0xFF)).all()
     assert (planes[2] == ((((u[:m] >> 16) & 0x7F) << 1) | (u[:m] >> 31))).all()
     assert (planes[1] == ((u[:m] >> 8) & 0xFF)).all() and (planes[0] == (u[:m] & 0xFF)).all()
-    enc_t = torch.empty_like(x)
-    bp._torch_encode(x, enc_t)  # (the torch path turns the words itself, piece by piece)
-    assert torch.equal(enc_t, enc)
-    back = torch.empty_like(x)
-    bp.decode(enc, back)
-    assert torch.equal(back, x)
-    back_t = torch.empty_like(x)
-    bp._torch_decode(enc, back_t)
-    _post16(back_t)
-    assert torch.equal(back_t, x)
+    check_rotate16_paths(bp, x, enc)
 
 
 def test_rotate16_base_incremental_reads_two_planes(tmp_path, monkeypatch):
