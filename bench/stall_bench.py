@@ -79,7 +79,7 @@ def stalls(state, d, reps=5):
     return {k: {"median_s": statistics.median(v), "all_s": v} for k, v in res.items()}
 
 
-def loop_cost(model, opt, d, steps=20, reps=3):
+def loop_cost(model, opt, d, steps=20, reps=3, only=()):
     """Training time lost per checkpoint, background work included: wall time of ``steps``
     training steps that begin with a checkpoint minus the same steps without one (median of
     ``reps`` rounds; every round runs each method once, in turn; also the median of the per-round
@@ -121,6 +121,8 @@ def loop_cost(model, opt, d, steps=20, reps=3):
 
     methods = {"none": None, "torch.save": torch_save, "DCP async_save": dcp_save,
                "ckptzip async_save": lambda i: ckptzip.async_save(state(), f"{d}/loop_c{i}.ckz")}
+    if only:
+        methods = {k: v for k, v in methods.items() if k == "none" or k in only}
     for _ in range(5):
         step()
     ts: dict = {name: [] for name in methods}
@@ -236,11 +238,19 @@ def main():
     ap.add_argument("--saves", type=int, default=100)
     ap.add_argument("--loop-steps", type=int, default=20, help="training steps per loop round (default 20)")
     ap.add_argument("--loop-reps", type=int, default=3, help="timed loop rounds per method, median (default 3)")
+    ap.add_argument("--only", default="", help="comma-separated methods of the loop figure, e.g. 'ckptzip async_save' "
+                    "(default: all); with it only that figure is measured (an A/B of two code versions)")
     a = ap.parse_args()
     os.makedirs(a.disk, exist_ok=True)
     model, opt, _ = train(a.steps)
     state = checkpoint(model, opt)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if a.only:
+        res["loop_cost"] = loop_cost(model, opt, a.disk, a.loop_steps, a.loop_reps, only=a.only.split(","))
+        print(json.dumps(res["loop_cost"]), flush=True)
+        with open(os.path.join(a.out, "stall.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        return
     profile_async(state, a.disk)
     if a.saves:
         res["stall"] = stalls(state, a.disk)

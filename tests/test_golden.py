@@ -9,7 +9,8 @@ import pytest
 
 import ckptzip
 from conftest import assert_same, cuda_ok
-from fixtures.make_fixtures import HERE, digests, golden_grid_object, golden_object, golden_object_next
+from fixtures.make_fixtures import (HERE, digests, golden_grid_object, golden_grid_object_next, golden_object,
+                                    golden_object_next)
 
 FILES = sorted(glob.glob(os.path.join(HERE, "*.ckz")))
 GPU_ONLY = ("ans", "bitcomp", "gdeflate", "lz4", "auto_gpu")
@@ -21,7 +22,7 @@ def test_fixtures_present():
             "v11_base_cpu.ckz", "v11_incr_cpu.ckz", "v12_expref_cpu.ckz", "v12_expref_ans_gpu.ckz",
             "v12_expgrid_cpu.ckz", "v12_expgrid_ans_gpu.ckz", "v12_portable_gpu.ckz",
             "v13_hidelta_cpu.ckz", "v13_rot16_cpu.ckz", "v13_rot16_incr_cpu.ckz", "v13_hidelta_zstd_gpu.ckz",
-            "v13_rot16_zstd_gpu.ckz", "v13_rot16_incr_zstd_gpu.ckz"} <= names
+            "v13_rot16_zstd_gpu.ckz", "v13_rot16_incr_zstd_gpu.ckz", "v14_expgrid_incr_cpu.ckz"} <= names
 
 
 def test_expected_digests_match_generator():
@@ -38,7 +39,10 @@ def test_golden_file(path):
             ckptzip.load(path, map_location="cpu")
         return
     back = ckptzip.load(path, map_location="cpu")
-    want = golden_object_next() if "_incr" in name or "_hidelta" in name else golden_grid_object() if "_expgrid" in name else golden_object()
+    if "_expgrid" in name:
+        want = golden_grid_object_next() if "_incr" in name else golden_grid_object()
+    else:
+        want = golden_object_next() if "_incr" in name or "_hidelta" in name else golden_object()
     assert_same(back, want)
     with ckptzip.open(path) as r:
         assert r.metadata["fixture"] == name[:-4]
@@ -103,6 +107,32 @@ def test_v13_rotate16_pair(base, monkeypatch):
     assert_same(ckptzip.load(os.path.join(HERE, base.replace("rot16", "rot16_incr")), map_location="cpu"),
                 golden_object_next())
     assert seen and set(seen) == {(2, 3)}
+
+
+def test_v14_expgrid_base_storage_is_located(tmp_path, monkeypatch):
+    """Format 1.4: Adam v stored as ``delta`` against the base's ``expgrid`` storage, which the
+    file's base record locates with its ``expgrid`` chain: the load plans it without reading
+    the base's document; a record whose grid does not fit the storage is a CorruptFileError."""
+    import ckptzip.api as api
+    from conftest import read_parts, write_parts
+    path = os.path.join(HERE, "v14_expgrid_incr_cpu.ckz")
+    assert open(path, "rb").read(12)[8:12] == b"\x01\x00\x04\x00"
+    with ckptzip.open(path) as r:
+        assert ["delta", "byteplane"] in [[t["id"] for t in s.get("transforms", [])] for s in r.storages]
+        assert [t["id"] for t in r.base["chains"][1]["transforms"]] == ["expgrid", "byteplane"]
+    opened = []
+    real = api.open_base
+    monkeypatch.setattr(api, "open_base", lambda *a, **k: (opened.append(1), real(*a, **k))[1])
+    assert_same(ckptzip.load(path, map_location="cpu"), golden_grid_object_next())
+    assert not opened
+    data, doc, rows = read_parts(path)
+    doc["bases"][0]["chains"][1]["transforms"][0]["rows"] = 40  # (48 x 80 words in the base)
+    q = tmp_path / "v14_expgrid_incr_cpu.ckz"
+    write_parts(q, data, doc, rows)
+    import shutil
+    shutil.copy(os.path.join(HERE, "v12_expgrid_cpu.ckz"), tmp_path)
+    with pytest.raises(ckptzip.CorruptFileError):
+        ckptzip.load(q)
 
 
 @pytest.mark.parametrize("name", ["v12_expgrid_cpu.ckz", "v12_expgrid_ans_gpu.ckz"])

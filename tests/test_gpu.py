@@ -779,6 +779,37 @@ def test_hidelta_incremental_on_gpu_bit_exact(tmp_path, monkeypatch, off):
         assert torch.equal(back[k].view(torch.int32), s2[k].view(torch.int32)), k
 
 
+def test_incremental_gpu_load_locates_expgrid_base_storages(tmp_path, monkeypatch):
+    """GPU saves of an Adam state: v is coded ``expgrid`` in the base, and the incremental file
+    stores it as ``delta`` against that storage, located by an ``expgrid`` chain in its record
+    (format 1.4); m (``expref`` in the base) is stored without the base. The GPU load never
+    opens the base as a checkpoint and is bit-exact."""
+    import ckptzip.api as api
+    from fixtures.make_fixtures import golden_grid_object, golden_grid_object_next
+    from fixtures.make_fixtures import to_cuda
+    g = torch.Generator(device="cuda").manual_seed(6)
+    s1, s2 = to_cuda(golden_grid_object()), to_cuda(golden_grid_object_next())
+    s1["w"] = torch.randn(1 << 20, device="cuda", generator=g) * 0.02
+    s2["w"] = s1["w"] + 1e-6
+    a, b = tmp_path / "a.ckz", tmp_path / "b.ckz"
+    ckptzip.save(s1, a)
+    ckptzip.save(s2, b, base=a)
+    with ckptzip.open(a) as r:
+        assert "expgrid" in [t["id"] for s in r.storages for t in s.get("transforms", [])]
+    with ckptzip.open(b) as r:
+        assert r.manifest.doc["version"] == [1, 4]
+        assert any(t["id"] == "expgrid" for c in r.base["chains"] for t in c["transforms"])
+    opened = []
+    real = api.open_base
+    monkeypatch.setattr(api, "open_base", lambda *x, **k: (opened.append(1), real(*x, **k))[1])
+    back = ckptzip.load(b, map_location="cuda")
+    assert not opened
+    st, want = back["optimizer"]["state"][0], s2["optimizer"]["state"][0]
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(st[k].view(torch.int32), want[k].view(torch.int32)), k
+    assert torch.equal(back["w"].view(torch.int32), s2["w"].view(torch.int32))
+
+
 @pytest.mark.parametrize("n,block", [(1, 8), (1000, 64), (100_003, 4096), (3 << 20, 1 << 20)])
 def test_rotate16_kernels_match_cpu(n, block):
     """``byteplane`` ``rotate`` 16: the Triton kernels (one-storage and multi-segment) and the torch

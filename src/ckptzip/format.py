@@ -21,9 +21,10 @@ MAGIC = b"CKPTZIP\x00"
 FOOTER_MAGIC = b"CKZ1END\x00"
 #: the newest version this code writes (and reads: every 1.x); a file is written with the lowest
 #: minor its features need: 1.0 without references, 1.1 with ``xor``/``delta``/``derived``
-#: transforms or ``bases``, 1.2 with ``expref``/``expgrid``, 1.3 with ``hidelta``, so that older
-#: readers load what they can
-VERSION = (1, 3)
+#: transforms or ``bases``, 1.2 with ``expref``/``expgrid``, 1.3 with ``hidelta``, ``byteplane``
+#: ``rotate`` or located base storages, 1.4 with located base storages coded ``expgrid``, so that
+#: older readers load what they can
+VERSION = (1, 4)
 HEADER = struct.Struct("<8sHHI")          # magic, major, minor, flags
 FOOTER = struct.Struct("<QQQ8s")          # manifest offset, manifest length, xxh3-64, magic
 HEADER_SIZE, FOOTER_SIZE = HEADER.size, FOOTER.size   # 16, 32

@@ -26,7 +26,7 @@ from .errors import BaseCheckpointError, CorruptFileError
 from .storage import is_url
 from .transforms.refs import Delta, HiDelta, Xor
 from .tree import StorageRef, tensor_keys
-from .validate import MAX_CHAIN
+from .validate import MAX_CHAIN, located_chain
 
 
 def manifest_sha256(raw: bytes) -> str:
@@ -56,9 +56,10 @@ def record_for(base_reader: Any, base_path: str, target: Any) -> dict[str, Any]:
 
 def add_hints(record: dict[str, Any], base_reader: Any, used: Any) -> None:
     """Copy into ``record`` (format 1.3 ``storages`` / ``chains``) where base storages ``used``
-    are in the base and how they are coded, for those whose chain refers to nothing (at most
-    ``byteplane``): a reader then plans their decoding from this file alone, without parsing
-    the base's document (its size and manifest SHA-256 are still checked)."""
+    are in the base and how they are coded, for those whose chain refers to no other storage (at
+    most ``byteplane``; 1.4: also ``expgrid`` first): a reader then plans their decoding from
+    this file alone, without parsing the base's document (its size and manifest SHA-256 are
+    still checked)."""
     index: dict[str, int] = {}
     chains: list[dict[str, Any]] = []
     rows = []
@@ -228,12 +229,13 @@ def delta_candidates(root: Any, refs: list[StorageRef], base_reader: Any, skip: 
     are decoded (pipelined, one pass) onto the device of the storage they are compared with."""
     pairs = {i: j for i, j in xor_pairs(root, refs, base_reader).items() if i not in skip}
     bst = base_reader.storages
-    # a load reads the base's document only for base storages the file's record cannot locate
-    # (add_hints: those coded with more than byteplane, e.g. expgrid); where they are a sliver
-    # of the bytes against the base, they are stored standalone instead (measured on the H100
-    # benchmark GPT: 2 of 148 storages, and the document's parse cost 14 ms per load)
+    # a load reads the base's document (and plans the base's decoding) for any base storage
+    # the file's record cannot locate (add_hints: those whose chain refers to another storage of
+    # the base, e.g. expref, derived): 31 ms of a 126 ms load of the H100 benchmark GPT. Pairs
+    # with such base storages are dropped (stored standalone); only where the base is itself a
+    # delta against its own base is its document read anyway (a chain): then all are kept.
     odd = {i for i, j in pairs.items() if not locatable(bst[j])}
-    if odd and sum(refs[i].data.numel() for i in odd) * 100 < sum(refs[i].data.numel() for i in pairs):
+    if odd and not any(against_base(bst[j]) for j in pairs.values()):
         pairs = {i: j for i, j in pairs.items() if i not in odd}
     outs: dict[int, torch.Tensor] = {}
     for i, j in pairs.items():
@@ -258,9 +260,15 @@ def delta_candidates(root: Any, refs: list[StorageRef], base_reader: Any, skip: 
 
 
 def locatable(storage: dict[str, Any]) -> bool:
-    """Whether a base storage record's chain is one a file's base record can carry (at most
-    ``byteplane``; see :func:`add_hints`)."""
-    return all(t.get("id") == "byteplane" for t in storage.get("transforms", []))
+    """Whether a base storage record's chain is one a file's base record can carry (one that
+    refers to no other storage: at most ``expgrid`` then ``byteplane``; see :func:`add_hints`)."""
+    return located_chain(storage.get("transforms", []))
+
+
+def against_base(storage: dict[str, Any]) -> bool:
+    """Whether a (validated) storage record is stored against its file's own base."""
+    tfs = storage.get("transforms", [])
+    return bool(tfs) and isinstance(tfs[0].get("ref"), dict) and "base" in tfs[0]["ref"]
 
 
 def plain_planes(storage: dict[str, Any], width: int) -> bool:

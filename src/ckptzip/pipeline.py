@@ -89,6 +89,13 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
                    sum(r.data.numel() for r in enc.storages), bases)
 
 
+def _hints_minor(record: dict) -> int:
+    """The minor a base record's located storages need: 3, or 4 where a chain has ``expgrid``."""
+    if "storages" not in record:
+        return 0
+    return 4 if any(t.get("id") == "expgrid" for c in record["chains"] for t in c["transforms"]) else 3
+
+
 def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: list | None = None) -> dict:
     """Encode (or take the ``staged`` snapshot of) every group and write the file atomically."""
     counts = [0] * len(prep.plans)
@@ -96,7 +103,7 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
         # the lowest minor the file's features need (docs/format.md): 1 for bases, else its transforms'
         minor = max([p.ref.minor for p in prep.plans if p.ref is not None] + [1 if prep.bases else 0]
                     + [getattr(p.transform, "minor", 0) for p in prep.plans]  # (1.3: byteplane rotate 16)
-                    + [3 if prep.bases and "storages" in prep.bases[0] else 0])  # (1.3: base hints)
+                    + [_hints_minor(prep.bases[0]) if prep.bases else 0])  # (1.3, 1.4: base hints)
         f.write(pack_header(minor))
         w = ChunkWriter(f, HEADER_SIZE, writeback=fsync)
         try:

@@ -254,9 +254,17 @@ def _bases(doc: dict[str, Any]) -> int:
     return len(bases)
 
 
+def located_chain(tfs: Any) -> bool:
+    """Whether a transform list is one a base record may locate (refers to no other storage):
+    empty, ``[byteplane]`` (1.3), ``[expgrid]`` or ``[expgrid, byteplane]`` (1.4)."""
+    ids = [t.get("id") if isinstance(t, dict) else None for t in tfs]
+    return ids in ([], ["byteplane"], ["expgrid"], ["expgrid", "byteplane"])
+
+
 def _base_hints(k: int, b: dict[str, Any]) -> None:
     """A base record's ``storages`` (``[j, first, count, chain]``, ``j`` increasing) and
-    ``chains`` (``{"transforms", "codec"}``: at most a ``byteplane``), format 1.3. Ranges in the
+    ``chains`` (``{"transforms", "codec"}``: at most a ``byteplane``, format 1.3, or ``expgrid``
+    then at most a ``byteplane``, 1.4: chains that refer to no other storage). Ranges in the
     base's chunk table are checked against that table when it is read."""
     chains, rows = b["chains"], b["storages"]
     if not isinstance(chains, list) or not isinstance(rows, list):
@@ -265,11 +273,11 @@ def _base_hints(k: int, b: dict[str, Any]) -> None:
         if not isinstance(ch, dict) or set(ch) != {"transforms", "codec"}:
             raise _bad(f"base {k} chain {c} must have exactly transforms and codec")
         tfs, codec = ch["transforms"], ch["codec"]
-        if (not isinstance(tfs, list) or len(tfs) > 1 or not isinstance(codec, dict)
+        if (not isinstance(tfs, list) or len(tfs) > 2 or not isinstance(codec, dict)
                 or not isinstance(codec.get("id"), str)):
             raise _bad(f"base {k} chain {c}")
-        if tfs and (not isinstance(tfs[0], dict) or tfs[0].get("id") != "byteplane"):
-            raise _bad(f"base {k} chain {c}: only byteplane (or nothing) may precede the codec")
+        if not located_chain(tfs):
+            raise _bad(f"base {k} chain {c}: only expgrid and/or byteplane (or nothing) may precede the codec")
         _chain(-1, codec, tfs)
     last = -1
     for r in rows:
