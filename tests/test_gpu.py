@@ -342,7 +342,8 @@ def test_fused_expref_planes_match_two_steps(n, block):
 
 
 @pytest.mark.parametrize("kind", ["plain2", "plain4", "plain8", "xor4", "delta2", "expref", "expref_words", "derived",
-                                  "derived_planes", "expgrid", "expgrid_words"])
+                                  "derived_planes", "expgrid", "expgrid_words", "delta_words2", "delta_words4",
+                                  "delta_words8"])
 def test_multi_segment_kernel_matches_per_storage(kind):
     """One ``decode_multi`` launch over segments of many sizes, each with its own destination and
     reference allocation, and storages cut in two segments at a block boundary (the second one
@@ -358,7 +359,8 @@ def test_multi_segment_kernel_matches_per_storage(kind):
                        "xor4": (XOR, 4, True), "delta2": (DELTA, 2, True), "expref": (EXPREF, 4, True),
                        "expref_words": (EXPREF, 4, False), "derived": (DERIVED, 2, False),
                        "derived_planes": (DERIVED, 2, True), "expgrid": (EXPGRID, 4, True),
-                       "expgrid_words": (EXPGRID, 4, False)}[kind]
+                       "expgrid_words": (EXPGRID, 4, False), "delta_words2": (DELTA, 2, False),
+                       "delta_words4": (DELTA, 4, False), "delta_words8": (DELTA, 8, False)}[kind]
     g = np.random.default_rng(len(kind))
     counts = [1, 3, 2047, 2048, 2049, 100_003, 5, 7 * 3001]
     if mode == DERIVED:

@@ -85,6 +85,8 @@ class Manifest:
     total_nbytes: int = 0     # sum of every storage's declared nbytes
     #: each storage's parsed chain, ``[(transform config, transform or None)]`` (validate.py)
     chains: list | None = None
+    #: the base record's parsed ``chains`` (format 1.3 located base storages), likewise
+    base_chains: list | None = None
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -149,8 +151,9 @@ def parse_manifest(raw: bytes, digest: int, data_end: int) -> Manifest:
     _need("root" in doc, "root")
     # the one validation pass over every field a reader uses (validate.py)
     chains: list = []
-    total = validate_document(doc, n, chains)
-    return Manifest(doc, rows, data_end, total, chains)
+    hints: list = []
+    total = validate_document(doc, n, chains, hints)
+    return Manifest(doc, rows, data_end, total, chains, hints)
 
 
 def table_start(jlen: int) -> int:

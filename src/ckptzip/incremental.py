@@ -132,7 +132,7 @@ class BaseFile:
     SHA-256 against the record) and chunk table are read and checked; the document is not parsed
     (on the H100 that saves the 14 ms a manifest of a thousand storages takes)."""
 
-    def __init__(self, where: str, record: dict[str, Any], what: str) -> None:
+    def __init__(self, where: str, record: dict[str, Any], what: str, parsed: list | None = None) -> None:
         import struct
         from .format import ROW, check_rows, checksum, table_start
         from .io.reader import read_manifest
@@ -166,8 +166,10 @@ class BaseFile:
             raise BaseCheckpointError(f"{what} cannot be read: {type(e).__name__}: {e}") from None
         self.hints = {r[0]: r for r in record["storages"]}
         self.chains = record["chains"]
-        # one parsed-chain list per chain (engine.storage_chain caches by its identity)
-        self.parsed = [[(cfg, None) for cfg in c["transforms"]] for c in self.chains]
+        # one parsed-chain list per chain (engine.storage_chain caches by its identity): those
+        # the record's validation parsed (``parsed``: Manifest.base_chains), else parsed on use
+        self.parsed = (parsed if parsed is not None and len(parsed) == len(self.chains)
+                       else [[(cfg, None) for cfg in c["transforms"]] for c in self.chains])
 
     def storage(self, j: int, nbytes: int) -> tuple[np.ndarray, dict[str, Any], list] | None:
         """``(chunk rows, storage record, parsed chain)`` of base storage ``j`` of ``nbytes``
@@ -200,7 +202,8 @@ def open_base_file(reader: Any, base_dir: Any, base_path: Any) -> BaseFile | Non
     where = base_location(reader.path, rec, base_dir, base_path)
     if is_url(where):
         return None
-    return BaseFile(where, rec, f"base checkpoint {rec['file']!r} of {reader.path} (looked for at {where})")
+    return BaseFile(where, rec, f"base checkpoint {rec['file']!r} of {reader.path} (looked for at {where})",
+                    getattr(reader.manifest, "base_chains", None))
 
 
 def xor_pairs(root: Any, refs: list[StorageRef], base_reader: Any) -> dict[int, int]:

@@ -124,11 +124,13 @@ def dec_to_int(s: Any) -> int:
 
 
 # -- the document -------------------------------------------------------------------------------
-def validate_document(doc: dict[str, Any], n_chunks: int, chains: list | None = None) -> int:
+def validate_document(doc: dict[str, Any], n_chunks: int, chains: list | None = None,
+                      hint_chains: list | None = None) -> int:
     """Check every field a reader uses; return the total declared bytes of all storages.
     ``chains``: a list that receives each storage's parsed chain, ``[(transform config, parsed
     transform or None for an unknown id)]`` (storages with equal configs share one list, never
-    modified), so that readers need not parse them again.
+    modified), so that readers need not parse them again. ``hint_chains``: a list that receives
+    the parsed chains of the base record's ``chains`` (format 1.3), likewise.
 
     Raises CorruptFileError (or UnknownCodecError for codec/transform parameters no
     implementation knows). Codec and transform *ids* that this version does not know are left to
@@ -140,7 +142,7 @@ def validate_document(doc: dict[str, Any], n_chunks: int, chains: list | None = 
     storages = doc.get("storages")
     if not isinstance(storages, list):
         raise _bad("storages")
-    n_bases = _bases(doc)
+    n_bases = _bases(doc, hint_chains)
     total = 0
     seen: dict = {}  # configs already checked: storages usually share a few of them
     parsed = [] if chains is None else chains
@@ -229,7 +231,7 @@ def _chain(i: int, codec: dict, tfs: list) -> list:
     return out
 
 
-def _bases(doc: dict[str, Any]) -> int:
+def _bases(doc: dict[str, Any], hint_chains: list | None = None) -> int:
     """Check the ``bases`` records (format 1.1); return how many there are."""
     bases = doc.get("bases", [])
     if not isinstance(bases, list) or len(bases) > MAX_BASES:
@@ -250,7 +252,7 @@ def _bases(doc: dict[str, Any]) -> int:
         if not _is_int(b["depth"]) or not 1 <= b["depth"] <= MAX_CHAIN:
             raise _bad(f"base {k} depth must be 1..{MAX_CHAIN} (the longest chain of bases a reader follows)")
         if "storages" in b:
-            _base_hints(k, b)
+            _base_hints(k, b, hint_chains)
     return len(bases)
 
 
@@ -261,7 +263,7 @@ def located_chain(tfs: Any) -> bool:
     return ids in ([], ["byteplane"], ["expgrid"], ["expgrid", "byteplane"])
 
 
-def _base_hints(k: int, b: dict[str, Any]) -> None:
+def _base_hints(k: int, b: dict[str, Any], out: list | None = None) -> None:
     """A base record's ``storages`` (``[j, first, count, chain]``, ``j`` increasing) and
     ``chains`` (``{"transforms", "codec"}``: at most a ``byteplane``, format 1.3, or ``expgrid``
     then at most a ``byteplane``, 1.4: chains that refer to no other storage). Ranges in the
@@ -278,7 +280,9 @@ def _base_hints(k: int, b: dict[str, Any]) -> None:
             raise _bad(f"base {k} chain {c}")
         if not located_chain(tfs):
             raise _bad(f"base {k} chain {c}: only expgrid and/or byteplane (or nothing) may precede the codec")
-        _chain(-1, codec, tfs)
+        parsed = _chain(-1, codec, tfs)
+        if out is not None:
+            out.append(parsed)
     last = -1
     for r in rows:
         if (not isinstance(r, list) or len(r) != 4 or not all(_is_int(x) and x >= 0 for x in r)

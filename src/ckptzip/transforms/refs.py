@@ -20,6 +20,7 @@ holds the reference (``xor`` decodes in place into a destination pre-filled with
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -126,8 +127,9 @@ class RefTransform(Transform):
         self.ref: torch.Tensor | None = None
 
     def bind(self, ref: torch.Tensor) -> "RefTransform":
-        """A copy of this transform that uses ``ref`` (flat uint8: the whole reference storage)."""
-        t = type(self).from_config(self.get_config())
+        """A copy of this transform that uses ``ref`` (flat uint8: the whole reference storage).
+        (A shallow copy: a reference transform's other fields are immutable config values.)"""
+        t = copy.copy(self)
         t.ref = ref
         return t
 
@@ -733,8 +735,8 @@ def planes_after_ref(tf: Transform | None, ref: RefTransform | None) -> bool:
 def _chain(bp: BytePlane | None, ref: RefTransform | None) -> tuple[int, int] | None:
     """``(mode, word width)`` of the byteplane kernels for ``ref`` then ``bp`` (either may be
     None; ``expgrid`` is classified by :func:`multi_segment` itself): planes alone, planes after a
-    bound ``xor`` / ``delta``, a bound ``expref`` on 32-bit words, a bound float32 -> bfloat16
-    ``derived``; None for every other chain. The one classification both the fused one-storage
+    bound ``xor`` / ``delta``, a bound ``delta`` on words (no planes), a bound ``expref`` on
+    32-bit words, a bound float32 -> bfloat16 ``derived``; None for every other chain. The one classification both the fused one-storage
     kernels (:func:`fused_planes`) and the multi-segment ones (:func:`multi_segment`) use."""
     if ref is None:
         if bp is not None and bp.rotate == 16:  # (its kernels compile after the warm-up's)
@@ -744,6 +746,8 @@ def _chain(bp: BytePlane | None, ref: RefTransform | None) -> tuple[int, int] | 
         return None  # (the reference kernels write the whole-word rotation)
     if bp is not None and planes_after_ref(bp, ref):
         return (DELTA if isinstance(ref, Delta) else XOR), bp.width
+    if bp is None and isinstance(ref, Delta) and ref.width in (2, 4, 8):
+        return DELTA, ref.width  # (words without planes: small storages' deltas; multi-segment only)
     if isinstance(ref, ExpRef) and (bp is None or bp.width == 4):
         return EXPREF, 4
     if isinstance(ref, HiDelta) and bp is not None and bp.width == 4:
