@@ -489,7 +489,7 @@ def test_fused_incremental_file_equals_unfused(tmp_path, monkeypatch):
     two-step path (nvCOMP's ANS leaves a few bytes inside a chunk unset, so chunk bytes are
     compared through decoding, not directly), tensors bit-exact, and, written with GPU zstd,
     decoded on the CPU (numpy, no fused kernel) bit-exact: the fused writer keeps the wire format."""
-    from ckptzip.kernels import triton_kernels
+    from ckptzip.kernels import DELTA, HIDELTA, XOR, triton_kernels
     import ckptzip.engine.decode as dec
     import ckptzip.engine.encode as enc
     from conftest import read_parts
@@ -511,7 +511,7 @@ def test_fused_incremental_file_equals_unfused(tmp_path, monkeypatch):
 
     def spy_multi(*args, **kw):
         r = real_multi(*args, **kw)
-        calls.append(r is not None and r[0] in (1, 2))  # XOR, DELTA: the fused reference modes
+        calls.append(r is not None and r[0] in (XOR, DELTA, HIDELTA))  # the fused modes against a base
         return r
     monkeypatch.setattr(enc, "fused_planes", spy)
     monkeypatch.setattr(dec, "fused_planes", spy)

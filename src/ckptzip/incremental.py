@@ -54,7 +54,7 @@ def record_for(base_reader: Any, base_path: str, target: Any) -> dict[str, Any]:
             "depth": depth}
 
 
-def add_hints(record: dict[str, Any], base_reader: Any, used: Any) -> None:
+def add_hints(record: dict[str, Any], base_storages: list[dict[str, Any]], used: Any) -> None:
     """Copy into ``record`` (format 1.3 ``storages`` / ``chains``) where base storages ``used``
     are in the base and how they are coded, for those whose chain refers to no other storage (at
     most ``byteplane``; 1.4: also ``expgrid`` first): a reader then plans their decoding from
@@ -64,7 +64,7 @@ def add_hints(record: dict[str, Any], base_reader: Any, used: Any) -> None:
     chains: list[dict[str, Any]] = []
     rows = []
     for j in sorted(set(used)):
-        s = base_reader.storages[j]
+        s = base_storages[j]
         if not locatable(s):
             continue
         cfg = {"transforms": s.get("transforms", []), "codec": s["codec"]}

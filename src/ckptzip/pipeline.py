@@ -75,7 +75,7 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
         with CheckpointReader(base) as br:
             bases = [record_for(br, base, target)]
             cands = delta_candidates(root, enc.storages, br, skip=set(ref_tfs))
-            add_hints(bases[0], br, [rt.storage for rt in cands.values()])
+            base_storages = br.storages
             ref_tfs.update(cands)
     for i, g in grid.items():  # Adam's v: expgrid, or the better of delta and expgrid
         if i in ref_tfs:
@@ -83,6 +83,8 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
         else:
             ref_tfs[i] = g
     plans = planner.plan_all(enc.storages, window, reuse_plan, ref_tfs, alt)
+    if bases is not None:  # where the base storages the chosen deltas need are (not every candidate's)
+        add_hints(bases[0], base_storages, [p.ref.storage for p in plans if p.ref is not None and p.ref.against_base])
     units = [u for i, (ref, plan) in enumerate(zip(enc.storages, plans))
              for u in units_of(i, ref.data, plan, window)]
     return SaveJob(root, meta, enc.storages, plans, list(groups(units, window)),
