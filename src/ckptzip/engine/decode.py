@@ -35,6 +35,9 @@ CPU_GROUP = 16 << 20
 #: CPU groups of local files read their raw chunks straight into the decode stream
 #: (io.reader.read_split); False: into the read buffer, copied afterwards (tests cover both)
 SPLIT_READS = True
+#: read buffers (decode groups) in flight: the caller holds up to two (one decoding on the
+#: GPU), the reader fills the others ahead of it
+READ_AHEAD = 4
 
 
 def storage_chain(s: dict[str, Any], device: str, cache: dict | None = None, parsed: list | None = None
@@ -181,7 +184,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     tk = triton_kernels(start=False) if gpu else None
     q: queue.Queue = queue.Queue(maxsize=2)
     free: queue.Queue = queue.Queue()
-    for slot in range(4):  # the caller holds up to two (one in flight on the GPU), the reader reads ahead
+    for slot in range(READ_AHEAD):  # the caller holds up to two (one in flight on the GPU), the reader reads ahead
         free.put(slot)
     stop = threading.Event()
 
