@@ -225,6 +225,11 @@ def main() -> None:
     res["load_s"] = {"standalone": round(full_s, 4), "incremental": round(incr_s, 4),
                      "incremental / standalone": round(incr_s / full_s, 3),
                      "best: incremental / standalone": round(min(incr) / min(full), 3),
+                     # each round's incremental load over the same round's standalone one (the
+                     # rounds interleave the two, so both see the same state of the machine)
+                     "paired: median of incremental / standalone": round(
+                         statistics.median(b / a for a, b in zip(full, incr)), 3),
+                     "mean: incremental / standalone": round(statistics.mean(incr) / statistics.mean(full), 3),
                      "all": {"standalone": [round(x, 4) for x in full], "incremental": [round(x, 4) for x in incr]}}
     if a.device == "cuda":
         w1 = torch.cat([v.reshape(-1) for v in s1["model"].values()])
