@@ -700,6 +700,33 @@ def test_hidelta_base_storage_another_base_storage_refers_to(tmp_path, monkeypat
     assert opened
 
 
+@pytest.mark.parametrize("edit", ["chain", "rows"])
+def test_record_that_contradicts_its_base_is_refused(edit, tmp_path, monkeypatch):
+    """A base record whose located storage names a chain or chunk rows other than the base's own
+    (forged: the base's SHA-256 still matches): verify() and a load that parses the base's
+    document raise CorruptFileError instead of decoding the file another way."""
+    import shutil
+    import ckptzip.api as api
+    from fixtures.make_fixtures import HERE
+    shutil.copy(os.path.join(HERE, "v12_expgrid_cpu.ckz"), tmp_path)
+    data, doc, rows = read_parts(os.path.join(HERE, "v14_expgrid_incr_cpu.ckz"))
+    rec = doc["bases"][0]
+    hint = [h for h in rec["storages"] if rec["chains"][h[3]]["transforms"][0]["id"] == "expgrid"][0]
+    if edit == "chain":  # the grid dropped: the base's planes read as if they held plain words
+        rec["chains"][hint[3]]["transforms"] = rec["chains"][hint[3]]["transforms"][1:]
+    else:  # another storage's rows of the same size
+        other = [i for i, s in enumerate(read_parts(os.path.join(HERE, "v12_expgrid_cpu.ckz"))[1]["storages"])
+                 if i != hint[0] and s["nbytes"] == 48 * 80 * 4][0]
+        hint[1:3] = read_parts(os.path.join(HERE, "v12_expgrid_cpu.ckz"))[1]["storages"][other]["rows"]
+    q = tmp_path / "v14_expgrid_incr_cpu.ckz"
+    write_parts(q, data, doc, rows)
+    with ckptzip.open(q) as r, pytest.raises(ckptzip.CorruptFileError, match="locates base storage"):
+        r.verify()
+    monkeypatch.setattr(api, "open_base_file", lambda *a, **k: None)  # (a base the record cannot use)
+    with pytest.raises(ckptzip.CorruptFileError, match="locates base storage"):
+        ckptzip.load(q)
+
+
 def test_unlocatable_base_storages_are_stored_standalone(tmp_path, monkeypatch):
     """Base storages coded ``expgrid`` (Adam v) are located by the file's record (format 1.4),
     so v is stored against its base; a storage whose base storage refers to another one

@@ -360,6 +360,7 @@ class CheckpointReader:
             pre = located
         elif xors:
             base = self.base_reader()
+            self._check_hints(base)
             first: dict[int, torch.Tensor] = {}
             shared = False
             for j in xors:
@@ -428,6 +429,19 @@ class CheckpointReader:
                 _planes_only(job)
             jobs.append(job)
         return jobs
+
+    def _check_hints(self, base: "CheckpointReader") -> None:
+        """Where the base's document is parsed, the record's located storages (format 1.3) must
+        say what the base says: each one's chunk rows and chain (CorruptFileError otherwise), so
+        that a file decodes the same whether or not its reader planned from the record."""
+        rec = self.bases[0] if self.bases else {}
+        for j, first, count, c in rec.get("storages", []):
+            s = base.storages[j] if j < len(base.storages) else None
+            ch = rec["chains"][c]
+            if (s is None or s["rows"] != [first, count] or s.get("transforms", []) != ch["transforms"]
+                    or s["codec"] != ch["codec"]):
+                raise CorruptFileError(f"{self.path}: its base record locates base storage {j} other than "
+                                       f"{self.bases[0]['file']!r} stores it")
 
     def _mapped(self, i: int, out: torch.Tensor) -> torch.Tensor:
         """torch.load's convention: ``map_location(storage, location)`` gets the storage
@@ -543,9 +557,12 @@ class CheckpointReader:
         One pipelined pass in file order, in batches of about 256 MiB of decoded bytes (at least
         one storage) whose results are dropped: linear in the number of storages. The base
         storages an incremental file needs are read whole (a load may read only some of their
-        byte planes, format 1.3)."""
+        byte planes, format 1.3), and the base's document is parsed to check the file's record
+        of where they are and how they are coded."""
         total = self._total_bytes()
         self._check_budget(total, "the checkpoint")
+        if self.bases and "storages" in self.bases[0]:
+            self._check_hints(self.base_reader())  # (a load trusts the record; verify checks it)
         batch: dict[int, Job] = {}
         size = 0
         self._full_planes = True

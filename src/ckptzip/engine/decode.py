@@ -83,7 +83,8 @@ def storage_chain(s: dict[str, Any], device: str, cache: dict | None = None, par
             cache[key] = got
     for t in got[:2]:
         if t is not None and not t.accepts(s["nbytes"]):
-            raise CorruptFileError(f"storage size is not a multiple of its {t.wire_id} width")
+            raise CorruptFileError(f"storage size does not fit its {t.wire_id} transform (not a multiple of "
+                                   f"its width, or another size)")
     return got
 
 
