@@ -13,7 +13,7 @@ import numpy as np
 import xxhash
 
 from .codecs.base import MAX_CHUNK
-from .errors import (ChecksumError, CorruptFileError, TruncatedFileError,
+from .errors import (ChecksumError, CorruptFileError, TruncatedFileError, UnknownCodecError,
                      UnsupportedVersionError)
 from .validate import MAX_DEPTH, load_document, validate_document
 
@@ -152,7 +152,14 @@ def parse_manifest(raw: bytes, digest: int, data_end: int) -> Manifest:
     # the one validation pass over every field a reader uses (validate.py)
     chains: list = []
     hints: list = []
-    total = validate_document(doc, n, chains, hints)
+    try:
+        total = validate_document(doc, n, chains, hints)
+    except (CorruptFileError, UnknownCodecError) as e:
+        if ver[1] > VERSION[1]:  # a newer minor may add fields and chains this reader refuses
+            raise UnsupportedVersionError(
+                f"format version 1.{ver[1]} is newer than this reader's 1.{VERSION[1]}, and the file uses "
+                f"something it does not know ({e}); upgrade ckptzip") from None
+        raise
     return Manifest(doc, rows, data_end, total, chains, hints)
 
 
