@@ -245,8 +245,8 @@ def main():
     model, opt, _ = train(a.steps)
     state = checkpoint(model, opt)
     # a warm process: the kernels' background compilation (started by the first GPU save; minutes
-    # on a fresh machine's empty cache) must not run during the timed rounds (the first process
-    # on a fresh H100 lost 0.21-0.25 s per checkpoint, the next ones on that machine 0.07-0.14 s)
+    # on a fresh machine's empty cache) must not run during the timed rounds (without this wait
+    # the first process on a fresh H100 lost 0.21-0.25 s per checkpoint, later ones 0.07-0.14 s)
     from ckptzip.kernels import rot16_ready, triton_kernels
     ckptzip.async_save(state, f"{a.disk}/warm.ckz").wait()
     triton_kernels(wait=True)
