@@ -295,11 +295,18 @@ class CheckpointReader:
 
     def base_reader(self) -> "CheckpointReader":
         """The reader of this file's base, opened and checked on first use
-        (:class:`~ckptzip.BaseCheckpointError` if it is missing, altered or too deep)."""
+        (:class:`~ckptzip.BaseCheckpointError` if it is missing, altered or too deep; and, as its
+        document is now parsed, this file's record of located storages checked against it)."""
         if self._base is None:
             if not self.bases:
                 raise BaseCheckpointError(f"{self.path} is not an incremental checkpoint")
-            self._base = open_base(self, self.base_dir, self.base_path)
+            base = open_base(self, self.base_dir, self.base_path)
+            try:
+                self._check_hints(base)
+            except BaseException:
+                base.close()
+                raise
+            self._base = base
         return self._base
 
     def _fill(self, outs: dict[int, torch.Tensor], prog: Callable[[int], None] | None = None,
@@ -360,7 +367,6 @@ class CheckpointReader:
             pre = located
         elif xors:
             base = self.base_reader()
-            self._check_hints(base)
             first: dict[int, torch.Tensor] = {}
             shared = False
             for j in xors:
@@ -431,9 +437,10 @@ class CheckpointReader:
         return jobs
 
     def _check_hints(self, base: "CheckpointReader") -> None:
-        """Where the base's document is parsed, the record's located storages (format 1.3) must
-        say what the base says: each one's chunk rows and chain (CorruptFileError otherwise), so
-        that a file decodes the same whether or not its reader planned from the record."""
+        """Once the base's document is parsed (:meth:`base_reader`), the record's located storages
+        (format 1.3) must say what the base says: each one's chunk rows and chain
+        (CorruptFileError otherwise), so that a file decodes the same whether or not its reader
+        planned from the record."""
         rec = self.bases[0] if self.bases else {}
         for j, first, count, c in rec.get("storages", []):
             s = base.storages[j] if j < len(base.storages) else None
@@ -562,7 +569,7 @@ class CheckpointReader:
         total = self._total_bytes()
         self._check_budget(total, "the checkpoint")
         if self.bases and "storages" in self.bases[0]:
-            self._check_hints(self.base_reader())  # (a load trusts the record; verify checks it)
+            self.base_reader()  # (a load trusts the record; parsing the base checks it)
         batch: dict[int, Job] = {}
         size = 0
         self._full_planes = True
