@@ -214,11 +214,9 @@ def main() -> None:
     del back
     if a.device == "cuda":  # a warm process: the kernels' background compilation (started by the
         # first GPU save, minutes on a fresh machine's empty cache) is over before loads are timed
-        from ckptzip.kernels import rot16_ready, triton_kernels
-        triton_kernels(wait=True)
+        from ckptzip.kernels import wait_kernels
         t0 = time.time()
-        while not rot16_ready() and time.time() - t0 < 300:
-            time.sleep(0.1)
+        wait_kernels(300)
         res["kernels_ready_after_s"] = round(time.time() - t0, 1)
     full, incr = timed_loads([p2, p2i], a.device, a.reps)
     full_s, incr_s = statistics.median(full), statistics.median(incr)

@@ -247,12 +247,9 @@ def main():
     # a warm process: the kernels' background compilation (started by the first GPU save; minutes
     # on a fresh machine's empty cache) must not run during the timed rounds (without this wait
     # the first process on a fresh H100 lost 0.21-0.25 s per checkpoint, later ones 0.07-0.14 s)
-    from ckptzip.kernels import rot16_ready, triton_kernels
+    from ckptzip.kernels import wait_kernels
     ckptzip.async_save(state, f"{a.disk}/warm.ckz").wait()
-    triton_kernels(wait=True)
-    t0 = time.time()
-    while not rot16_ready() and time.time() - t0 < 300:
-        time.sleep(0.1)
+    wait_kernels(300)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if a.only:
         res["loop_cost"] = loop_cost(model, opt, a.disk, a.loop_steps, a.loop_reps, only=a.only.split(","))

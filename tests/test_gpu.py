@@ -753,12 +753,8 @@ def test_hidelta_incremental_on_gpu_bit_exact(tmp_path, monkeypatch, off):
     """An incremental save of CUDA float32 weights uses hidelta; loading it onto the GPU decodes
     the base's planes 0, 2, 3 and the residuals, through the multi-segment kernels (PARTIAL,
     HIDELTA), the one-storage kernels, or torch: bit-exact every way."""
-    import time
     import ckptzip.kernels as kernels
-    kernels.triton_kernels(wait=True)
-    t0 = time.time()
-    while not kernels.rot16_ready() and time.time() - t0 < 120:  # (compiled after the warm-up)
-        time.sleep(0.1)
+    kernels.wait_kernels(120)  # (the rotate-16 kernels are compiled after the warm-up's others)
     assert kernels.rot16_ready()
     g = torch.Generator(device="cuda").manual_seed(5)
     w = torch.randn(3 << 20, device="cuda", generator=g) * 0.02
@@ -816,18 +812,14 @@ def test_incremental_gpu_load_locates_expgrid_base_storages(tmp_path, monkeypatc
 def test_rotate16_kernels_match_cpu(n, block):
     """``byteplane`` ``rotate`` 16: the Triton kernels (one-storage and multi-segment) and the torch
     path on the GPU write and read the bytes of the CPU code."""
-    import time
     import numpy as np
     from ckptzip import kernels
     from ckptzip.kernels import PLAIN16
     from ckptzip.transforms import BytePlane
     from conftest import check_rotate16_paths
-    tk = kernels.triton_kernels(wait=True)
+    tk = kernels.wait_kernels(120)
     if tk is None:
         pytest.skip("no Triton")
-    t0 = time.time()
-    while not kernels.rot16_ready() and time.time() - t0 < 120:
-        time.sleep(0.1)
     g = torch.Generator(device="cuda").manual_seed(n)
     x = torch.randint(0, 256, (4 * n,), dtype=torch.uint8, device="cuda", generator=g)
     bp = BytePlane(4, block, 16)

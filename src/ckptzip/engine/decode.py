@@ -185,7 +185,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     tk = triton_kernels(start=False) if gpu else None
     q: queue.Queue = queue.Queue(maxsize=2)
     free: queue.Queue = queue.Queue()
-    for slot in range(READ_AHEAD):  # the caller holds up to two (one in flight on the GPU), the reader reads ahead
+    for slot in range(READ_AHEAD):
         free.put(slot)
     stop = threading.Event()
 

@@ -145,6 +145,17 @@ def rot16_ready() -> bool:
     return _READY16.is_set() or (os.environ.get("CKPTZIP_TRITON_WARMUP") == "0" and bool(_load()))
 
 
+def wait_kernels(timeout: float | None = None):
+    """Wait until the warm-up has compiled every kernel, the rotate-16 ones (compiled last)
+    included, for at most ``timeout`` seconds of the latter (None: no limit); return the kernel
+    module, or None where Triton is unavailable. For what times or checks the warm paths
+    (benchmarks, tests, golden files); library calls never wait for them."""
+    tk = triton_kernels(wait=True)
+    if tk is not None and not rot16_ready():
+        _READY16.wait(timeout)
+    return tk
+
+
 def triton_kernels(wait: bool = False, start: bool = True):
     """The Triton kernel module (byteplane encode/decode, segment copies), or None (unavailable,
     or still compiling unless ``wait``). ``start=False`` (the load paths): do not start the
