@@ -362,3 +362,55 @@ def test_cpu_groups_read_raw_chunks_into_place(tmp_path, monkeypatch, split):
         write_parts(q, data[:off] + bytes([data[off] ^ 0x10]) + data[off + 1:], doc, rows)
         with pytest.raises(ckptzip.ChecksumError):
             ckptzip.load(q)
+
+
+def test_streamed_save_plans_while_writing(tmp_path, monkeypatch):
+    """A streamed save (GPU saves to local files; here on the CPU) plans its storages a window
+    at a time as the writer asks for their groups: every batch is planned after the previous
+    batch's chunks were written, the file loads bit-exact, verifies, and its header carries the
+    same minor as its manifest (written again at the end: 1.3 here, from byteplane rotate 16)."""
+    import ckptzip
+    from ckptzip import pipeline
+    from ckptzip.engine import planner as planner_mod
+    from ckptzip.format import HEADER
+    from ckptzip.io import writer
+    monkeypatch.setattr(pipeline, "STREAM_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(planner_mod, "ROT16_ON_CPU", True)
+    g = torch.Generator().manual_seed(3)
+    state = {f"w{i}": torch.randn(60_000 + 1000 * i, generator=g) * 0.02 for i in range(6)}
+    state["step"] = torch.tensor(7)
+    state["w0_bf16"] = state["w0"].to(torch.bfloat16)  # derived from w0, planned in a later batch
+    events = []
+    real_plan, real_add = planner_mod.Planner.plan_all, writer.ChunkWriter.add
+
+    def plan_all(self, refs, *a, **k):
+        events.append(("plan", len(refs)))
+        return real_plan(self, refs, *a, **k)
+
+    def add(self, enc):
+        events.append(("write", len(enc.counts)))
+        return real_add(self, enc)
+    monkeypatch.setattr(planner_mod.Planner, "plan_all", plan_all)
+    monkeypatch.setattr(writer.ChunkWriter, "add", add)
+    p = tmp_path / "s.ckz"
+    ckptzip.save(state, p, window=500_000)
+    kinds = [e[0] for e in events]
+    assert kinds.count("plan") >= 3 and kinds[0] == "plan" and "write" in kinds[:kinds.index("plan", 1) + 1]
+    assert sum(n for e, n in events if e == "plan") == len(state)
+    out = ckptzip.load(p)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    with ckptzip.open(p) as r:
+        r.verify()
+        assert r.manifest.doc["version"] == [1, 3]
+        assert r.storages[-1]["transforms"][0]["id"] == "derived"
+    assert HEADER.unpack(p.read_bytes()[:HEADER.size])[2] == 3
+    # file objects and reuse_plan keep planning everything first
+    events.clear()
+    ckptzip.save(state, p, window=500_000, reuse_plan=True)
+    assert [e[0] for e in events][:1] == ["plan"] and [e[0] for e in events].count("plan") == 1
+    import io
+    buf = io.BytesIO()
+    events.clear()
+    ckptzip.save(state, buf, window=500_000)
+    assert [e[0] for e in events].count("plan") == 1
+    assert HEADER.unpack(buf.getvalue()[:HEADER.size])[2] == 3

@@ -78,8 +78,10 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
     that equals the cast of a float32 storage of the same state (a bf16 copy of master weights)
     is stored as a reference to it plus the (usually no) differing elements.
     """
+    # a local file: a GPU save that samples plans later storages while earlier ones are written
+    local = not hasattr(path, "write") and not is_url(path)
     prep = prepare(obj, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
-                   storage_gbps, window, reuse_plan, base=base, target=path, derive=derive)
+                   storage_gbps, window, reuse_plan, base=base, target=path, derive=derive, stream=local)
     return write(prep, path, fsync, progress)
 
 

@@ -8,8 +8,9 @@ manifest, footer, atomically. ``ckptzip.save``, ``ckptzip.async_save``, the
 """
 from __future__ import annotations
 
+import io
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,13 @@ from .tree import Encoder
 
 Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
 
+#: where :func:`prepare`'s ``stream`` applies: GPU saves, whose windows are written by a thread
+#: while the caller goes on (CPU groups are written by the caller: nothing to overlap; tests
+#: add "cpu" to run the same path without a GPU)
+STREAM_DEVICES: tuple[str, ...] = ("cuda",)
+#: bytes of storages in a streamed save's first planning batch (see :func:`_planned_groups`)
+FIRST_BATCH = 32 << 20
+
 
 @dataclass
 class SaveJob:
@@ -35,15 +43,23 @@ class SaveJob:
     groups: list
     total: int
     bases: list | None = None  # format 1.1 base records (incremental saves)
+    #: planned while writing (``groups`` is None, ``plans`` fill in): see :func:`prepare`'s ``stream``
+    streamed: Callable[[], Iterator[list]] | None = None
 
 
 def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
              storage_gbps, window, reuse_plan: bool = False, base=None, target=None,
-             derive: bool = True) -> SaveJob:
+             derive: bool = True, stream: bool = False) -> SaveJob:
     """Plan a save. ``base`` (a local path): store storages as ``xor`` against the same storage of
     that checkpoint where it pays (``target`` is the new file's path, for the relative record);
     ``derive``: store 16-bit copies of float32 storages as ``derived`` (format 1.1) and try Adam's
-    first moments as ``expref`` against their second moments (1.2)."""
+    first moments as ``expref`` against their second moments (1.2).
+
+    ``stream`` (a GPU save that samples its choices, no base): storages are planned a window
+    at a time as :func:`write` asks for their groups, so the sampling of later storages runs
+    while earlier windows are written (the writer thread) instead of before the first write.
+    Only for targets :func:`write` can rewrite the header of (plain local files): the header's
+    minor version is known once every storage is planned."""
     if not isinstance(chunk_size, int) or not 64 <= chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk_size must be between 64 and {MAX_CHUNK} bytes")
     if transform not in ("auto", "byteplane", None):
@@ -82,6 +98,10 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
             alt[i] = g
         else:
             ref_tfs[i] = g
+    if stream and planner.dev in STREAM_DEVICES and not reuse_plan and base is None and not alt:
+        plans: list = [None] * len(enc.storages)
+        return SaveJob(root, meta, enc.storages, plans, None, sum(r.data.numel() for r in enc.storages), None,
+                       streamed=lambda: _planned_groups(planner, enc.storages, plans, window, ref_tfs))
     plans = planner.plan_all(enc.storages, window, reuse_plan, ref_tfs, alt)
     if bases is not None:  # where the base storages the chosen deltas need are (not every candidate's)
         add_hints(bases[0], base_storages, [p.ref.storage for p in plans if p.ref is not None and p.ref.against_base])
@@ -91,6 +111,24 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
                    sum(r.data.numel() for r in enc.storages), bases)
 
 
+def _planned_groups(planner, refs: list, plans: list, window: int, ref_tfs: dict) -> Iterator[list]:
+    """The groups of a streamed save: storages planned in consecutive batches (their sampling
+    in a few batched codec calls, as for a whole save), each batch's groups yielded before the
+    next batch is planned; ``plans`` is filled in as it goes. The first batch holds about
+    :data:`FIRST_BATCH` bytes, so the first write starts early; each next one twice as many, up
+    to ``window``."""
+    i, most = 0, min(window, FIRST_BATCH)
+    while i < len(refs):
+        j, nbytes = i, 0
+        while j < len(refs) and (j == i or nbytes + refs[j].data.numel() <= most):
+            nbytes += refs[j].data.numel()
+            j += 1
+        most = min(window, 2 * most)
+        plans[i:j] = planner.plan_all(refs[i:j], window, False, {k - i: v for k, v in ref_tfs.items() if i <= k < j})
+        yield from groups([u for k in range(i, j) for u in units_of(k, refs[k].data, plans[k], window)], window)
+        i = j
+
+
 def _hints_minor(record: dict) -> int:
     """The minor a base record's located storages need: 3, or 4 where a chain has ``expgrid``."""
     if "storages" not in record:
@@ -98,18 +136,26 @@ def _hints_minor(record: dict) -> int:
     return 4 if any(t.get("id") == "expgrid" for c in record["chains"] for t in c["transforms"]) else 3
 
 
+def _minor(prep: SaveJob) -> int:
+    """The lowest minor the file's features need (docs/format.md): 1 for bases, else its
+    transforms' (1.3: byteplane rotate 16), or its base record's (1.3, 1.4: located storages)."""
+    return max([p.ref.minor for p in prep.plans if p.ref is not None] + [1 if prep.bases else 0]
+               + [getattr(p.transform, "minor", 0) for p in prep.plans]
+               + [_hints_minor(prep.bases[0]) if prep.bases else 0])
+
+
 def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: list | None = None) -> dict:
     """Encode (or take the ``staged`` snapshot of) every group and write the file atomically."""
     counts = [0] * len(prep.plans)
     with open_for_write(path, fsync=fsync) as f:
-        # the lowest minor the file's features need (docs/format.md): 1 for bases, else its transforms'
-        minor = max([p.ref.minor for p in prep.plans if p.ref is not None] + [1 if prep.bases else 0]
-                    + [getattr(p.transform, "minor", 0) for p in prep.plans]  # (1.3: byteplane rotate 16)
-                    + [_hints_minor(prep.bases[0]) if prep.bases else 0])  # (1.3, 1.4: base hints)
-        f.write(pack_header(minor))
+        streamed = prep.streamed is not None
+        if streamed and not isinstance(f, io.FileIO):
+            raise ValueError("a streamed save is written to plain local files only")
+        # (streamed: the header is written again once every storage is planned)
+        f.write(pack_header(0 if streamed else _minor(prep)))
         w = ChunkWriter(f, HEADER_SIZE, writeback=fsync)
         try:
-            for gi, grp in enumerate(prep.groups):
+            for gi, grp in enumerate(prep.streamed() if streamed else prep.groups):
                 if staged is not None and staged[gi] is not None:
                     ent, staged[gi] = staged[gi], None
                     if hasattr(ent, "fetch"):  # kept on the GPU: copied into a pooled pinned buffer now
@@ -133,6 +179,7 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
                 rows = w.finish()
             finally:
                 release_scratch()
+        minor = _minor(prep)
         entries, first = [], 0
         for ref, plan, count in zip(prep.refs, prep.plans, counts):
             entries.append({
@@ -152,6 +199,8 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
         manifest = pack_manifest(doc, rows)
         f.write(manifest)
         f.write(pack_footer(pos, manifest))
+        if streamed:
+            os.pwrite(f.fileno(), pack_header(minor), 0)
         size = pos + len(manifest) + FOOTER_SIZE
     name = getattr(path, "name", "<file object>") if hasattr(path, "write") else os.fspath(path)
     out = {"path": name, "raw_bytes": prep.total, "stored_bytes": size}
