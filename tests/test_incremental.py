@@ -67,6 +67,30 @@ def test_derived_detection_pairs_by_values():
     assert 5 * nsrc not in found  # other_bf16
 
 
+@pytest.mark.parametrize("slice_", [1 << 24, 300])
+def test_batched_mismatch_counts_equal_per_pair_counts(monkeypatch, slice_):
+    """find_derived counts the differing elements of all candidate pairs of one size and cast
+    together (stacked slices; pairs above the slice size one by one): the same counts as pair
+    by pair, NaNs and float16 included."""
+    from ckptzip.engine import refplan
+    monkeypatch.setattr(refplan, "VERIFY_SLICE", slice_)
+    g = torch.Generator().manual_seed(5)
+    srcs = [torch.randn(n, generator=g) for n in (100, 100, 100, 1000, 7)]
+    srcs[1][3] = float("nan")
+    tgts = []
+    for k, s in enumerate(srcs):
+        to = torch.float16 if k == 2 else torch.bfloat16
+        t = s.to(to).clone()
+        t.view(torch.int16)[: k * 3] ^= 1  # k*3 differing elements
+        tgts.append(t)
+    enc = Encoder()
+    enc.encode({"s": srcs, "t": tgts})
+    pairs = [(5 + k, k, "float16" if k == 2 else "bfloat16") for k in range(5)] + [(5, 1, "bfloat16")]
+    got = refplan._mismatches_many(enc.storages, pairs)
+    want = [int(refplan._mismatches(enc.storages[t].data, enc.storages[s].data, to)) for t, s, to in pairs]
+    assert got == want and got[0] == 0 and got[3] == 9
+
+
 def test_reused_derived_pairs_and_plans_stay_exact(tmp_path):
     """Saves that reuse plans (async_save, the manager) keep the derived pairs found for the same
     layout while the sampled elements still match; a copy that drifted, even everywhere but on
