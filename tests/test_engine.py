@@ -414,3 +414,31 @@ def test_streamed_save_plans_while_writing(tmp_path, monkeypatch):
     ckptzip.save(state, buf, window=500_000)
     assert [e[0] for e in events].count("plan") == 1
     assert HEADER.unpack(buf.getvalue()[:HEADER.size])[2] == 3
+
+
+def test_writer_keeps_checksums_computed_on_the_gpu(tmp_path):
+    """A pooled window whose rows already hold some chunks' checksums (an async save hashes
+    its packed GPU windows on the GPU) is written with those values as given; the writer
+    hashes only the other chunks (so a wrong given value would stand: the GPU suite checks the
+    kernel's values against xxhash)."""
+    import xxhash
+    from ckptzip.engine.memory import PINNED
+    from ckptzip.format import ROW
+    from ckptzip.io import ChunkWriter
+    g = torch.Generator().manual_seed(4)
+    stored = np.array([300, 17, 1000, 5000], dtype=np.int64)
+    offs = np.concatenate([[0], np.cumsum((stored + 15) // 16 * 16)[:-1]])
+    host = PINNED.acquire(int(offs[-1] + stored[-1]))
+    host.copy_(torch.randint(0, 256, (host.numel(),), dtype=torch.uint8, generator=g))
+    rel = np.zeros(len(stored), ROW)
+    rel["offset"], rel["stored"], rel["raw"] = offs, stored, stored
+    h = host.numpy()
+    want = [xxhash.xxh3_64_intdigest(h[o:o + n].tobytes()) for o, n in zip(offs, stored)]
+    rel["xxh3"][[0, 2]] = [want[0], 12345]  # chunk 2: a given value, kept as given
+    with open(tmp_path / "w.bin", "wb", buffering=0) as f:
+        f.write(bytes(16))
+        w = ChunkWriter(f, 16, writeback=False)
+        w.add_pooled(host, rel, np.array([0, 2]))
+        rows = w.finish()
+    assert rows["xxh3"].tolist() == [want[0], want[1], 12345, want[3]]
+    assert rows["offset"].tolist() == (offs + 16).tolist()

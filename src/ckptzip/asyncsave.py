@@ -33,9 +33,11 @@ import traceback
 from collections import deque
 from typing import Any
 
+import numpy as np
 import torch
 
 from .codecs.gpu import release_scratch
+from .kernels import HASH_MIN, enabled, launch, triton_kernels
 from .pipeline import prepare, write
 from .engine import DEFAULT_CHUNK, PINNED, encode_group_arrays, free_gpu_bytes, gather_gpu
 
@@ -217,15 +219,44 @@ class _OnGPU:
     into a pooled pinned buffer (:meth:`fetch`, at most one window) and then lets the GPU memory
     go. So the host memory of an async save on a GPU is a few pooled windows, not the checkpoint."""
 
-    def __init__(self, buf: torch.Tensor, rel, per_unit: list, packed: torch.cuda.Event) -> None:
+    def __init__(self, buf: torch.Tensor, rel, per_unit: list, packed: torch.cuda.Event, hashes=None) -> None:
         self.buf, self.rel, self.per_unit, self._packed = buf, rel, per_unit, packed
+        self._hashes = hashes  # (XXH3 of chunks ``idx`` on the GPU, idx) or None: see _gpu_hashes
 
     def fetch(self) -> tuple:
-        """(pinned host buffer leased from ``PINNED``: the writer gives it back, rows, chunks per unit)."""
+        """(pinned host buffer leased from ``PINNED``: the writer gives it back, rows, chunks per
+        unit, indices of the chunks whose checksums the rows already hold or None)."""
         buf, self.buf = self.buf, None
         host, done = _copy_to_host(buf, self._packed, PINNED.acquire)
         done.synchronize()
-        return host, self.rel, self.per_unit
+        rel, hashed = self.rel, None
+        if self._hashes is not None:
+            (h, idx), self._hashes = self._hashes, None
+            with torch.cuda.device(h.device), torch.cuda.stream(_copy_stream(h.device)):
+                got = h.cpu()  # (on the side stream, which waited for the packed event: the hashes are done)
+            rel = rel.copy()
+            rel["xxh3"][idx] = got.numpy().view(np.uint64)
+            hashed = idx
+        return host, rel, self.per_unit, hashed
+
+
+def _gpu_hashes(buf: torch.Tensor, rel: np.ndarray):
+    """The chunk checksums (XXH3-64) of a packed GPU group, queued on the GPU for every chunk the
+    kernel takes (over 240 bytes; packed 16-byte aligned), as (int64 tensor, chunk indices);
+    None where the kernels are not ready. The background writer then hashes only the rest on
+    the host: hashing there is a Python call per chunk in the writer's threads, which took the
+    GIL from the training loop the save runs beside (issue 14 item 4)."""
+    tk = triton_kernels(start=False)
+    if tk is None or not enabled("xxh3"):
+        return None
+    idx = np.nonzero(rel["stored"] >= HASH_MIN)[0]
+    if not len(idx):
+        return None
+    out: list = []
+    if not launch("xxh3", lambda: out.append(tk.xxh3_chunks(buf, rel["offset"][idx].astype(np.int64),
+                                                            rel["stored"][idx].astype(np.int64)))):
+        return None
+    return out[0], idx
 
 
 def _copy_to_host(buf: torch.Tensor, after: torch.cuda.Event, take) -> tuple[torch.Tensor, torch.cuda.Event]:
@@ -278,11 +309,13 @@ def _snapshot(prep, gpu_bytes: int | None, arena: Arena) -> list:
             buf, rel = gather_gpu(enc)
             per_unit = enc.counts
             del enc
+            keep = held + buf.numel() <= (gpu_bytes or 0)
+            hashes = _gpu_hashes(buf, rel) if keep else None  # (before the event: fetch waits for it)
             packed = torch.cuda.Event()
             packed.record()
-            if held + buf.numel() <= (gpu_bytes or 0):
+            if keep:
                 held += buf.numel()
-                staged.append(_OnGPU(buf, rel, per_unit, packed))
+                staged.append(_OnGPU(buf, rel, per_unit, packed, hashes))
             else:
                 # over the GPU snapshot budget: copy to the host now, on the side stream, while
                 # the next group compresses

@@ -159,8 +159,8 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
                 if staged is not None and staged[gi] is not None:
                     ent, staged[gi] = staged[gi], None
                     if hasattr(ent, "fetch"):  # kept on the GPU: copied into a pooled pinned buffer now
-                        host, rel, per_unit = ent.fetch()
-                        w.add_pooled(host, rel)
+                        host, rel, per_unit, hashed = ent.fetch()
+                        w.add_pooled(host, rel, hashed)
                     else:
                         host, rel, per_unit = ent
                         w.add_staged(host, rel)

@@ -97,10 +97,11 @@ class ChunkWriter:
         host, rel = stage_encoded(enc, PINNED.acquire)
         self._enqueue((slot, host), host, rel)
 
-    def add_pooled(self, host: torch.Tensor, rel: np.ndarray) -> None:
+    def add_pooled(self, host: torch.Tensor, rel: np.ndarray, hashed: np.ndarray | None = None) -> None:
         """Append a packed group held in a buffer leased from ``PINNED`` (given back once
-        written); waits while two windows are in flight, as :meth:`add` does."""
-        self._enqueue((self._slot(), host), host, rel)
+        written); waits while two windows are in flight, as :meth:`add` does. ``hashed``: the
+        chunks whose checksums ``rel`` already holds (computed on the GPU), or None."""
+        self._enqueue((self._slot(), host), host, rel, hashed)
 
     def _slot(self):
         """A flow-control token (at most two pooled windows in flight), once the writer thread runs."""
@@ -124,28 +125,36 @@ class ChunkWriter:
             self._thread = threading.Thread(target=self._run, name="ckptzip-writer", daemon=True)
             self._thread.start()
 
-    def _enqueue(self, slot, host: torch.Tensor, rel: np.ndarray) -> None:
+    def _enqueue(self, slot, host: torch.Tensor, rel: np.ndarray, hashed: np.ndarray | None = None) -> None:
         pad, start = self._place(0)
         if pad:
-            self._q.put((None, torch.zeros(pad, dtype=torch.uint8), start - pad, None))
+            self._q.put((None, torch.zeros(pad, dtype=torch.uint8), start - pad, None, None))
         block = rel.copy()
         block["offset"] += start
         self.rows.append(block)
         self.pos = start + host.numel()
-        self._q.put((slot, host, start, block))
+        self._q.put((slot, host, start, block, hashed))
 
     def _run(self) -> None:
         while True:
             item = self._q.get()
             if item is None:
                 return
-            slot, host, start, block = item
+            slot, host, start, block, hashed = item
             try:
                 if self._err is None:
                     h = host.numpy()
                     if block is not None:
                         rel = (block["offset"] - start).astype(np.int64)
-                        block["xxh3"] = checksums(h, rel.tolist(), block["stored"].astype(np.int64).tolist())
+                        stored = block["stored"].astype(np.int64)
+                        if hashed is None:
+                            block["xxh3"] = checksums(h, rel.tolist(), stored.tolist())
+                        else:  # the others' checksums were computed on the GPU
+                            rest = np.ones(len(block), dtype=bool)
+                            rest[hashed] = False
+                            sel = np.nonzero(rest)[0]
+                            if len(sel):
+                                block["xxh3"][sel] = checksums(h, rel[sel].tolist(), stored[sel].tolist())
                     _write_all(self.f, [memoryview(h)])  # (a short write is resumed)
                     self._written(start + h.nbytes)
             except BaseException as e:  # surfaced in the main thread
