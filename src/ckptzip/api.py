@@ -64,8 +64,10 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
       same layout (same storages, dtypes and options) in this process instead of sampling again
       (default False; :func:`async_save` and :class:`CheckpointManager` default to True). A
       training loop saves one layout again and again with slowly changing statistics; the
-      sampling took 0.11 s of a 0.35 s save of the 1.2 GB benchmark state on an H100. Files stay
-      exact either way; only the choices (and so the ratio) can lag the data.
+      sampling took 0.11 s of a 0.35 s save of the 1.2 GB benchmark state on an H100 (a GPU save
+      to a local file now samples later storages while earlier ones are written, so most of it
+      overlaps the write). Files stay exact either way; only the choices (and so the ratio) can
+      lag the data.
 
     The write is atomic. Returns a summary ``{"raw_bytes", "stored_bytes", "path"}`` (plus
     ``base``, ``delta_storages`` and ``derived_storages`` where format 1.1 references were used).
