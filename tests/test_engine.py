@@ -415,6 +415,19 @@ def test_streamed_save_plans_while_writing(tmp_path, monkeypatch):
     assert [e[0] for e in events].count("plan") == 1
     assert HEADER.unpack(buf.getvalue()[:HEADER.size])[2] == 3
 
+    class Flip:  # a rotate-16 answer that changes at every question (kernels ready mid-save)
+        n = 0
+
+        def __bool__(self):
+            self.n += 1
+            return self.n % 2 == 1
+    monkeypatch.setattr(planner_mod, "ROT16_ON_CPU", Flip())
+    ckptzip.save(state, p, window=500_000)
+    with ckptzip.open(p) as r:
+        rot = [t.get("rotate") for s in r.storages for t in s.get("transforms", []) if t["id"] == "byteplane"
+               and s["elem"] == "float32"]
+    assert len(rot) == 6 and len(set(rot)) == 1  # one choice for every batch
+
 
 def test_writer_keeps_checksums_computed_on_the_gpu(tmp_path):
     """A pooled window whose rows already hold some chunks' checksums (an async save hashes

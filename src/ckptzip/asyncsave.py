@@ -253,8 +253,11 @@ def _gpu_hashes(buf: torch.Tensor, rel: np.ndarray):
     if not len(idx):
         return None
     out: list = []
-    if not launch("xxh3", lambda: out.append(tk.xxh3_chunks(buf, rel["offset"][idx].astype(np.int64),
-                                                            rel["stored"][idx].astype(np.int64)))):
+    try:
+        if not launch("xxh3", lambda: out.append(tk.xxh3_chunks(buf, rel["offset"][idx].astype(np.int64),
+                                                                rel["stored"][idx].astype(np.int64)))):
+            return None
+    except torch.cuda.OutOfMemoryError:  # (its tables and output): the host hashes this window
         return None
     return out[0], idx
 

@@ -100,6 +100,7 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
             ref_tfs[i] = g
     if stream and planner.dev in STREAM_DEVICES and not reuse_plan and base is None and not alt:
         plans: list = [None] * len(enc.storages)
+        planner.hold_rot16()  # one choice for all batches
         return SaveJob(root, meta, enc.storages, plans, None, sum(r.data.numel() for r in enc.storages), None,
                        streamed=lambda: _planned_groups(planner, enc.storages, plans, window, ref_tfs))
     plans = planner.plan_all(enc.storages, window, reuse_plan, ref_tfs, alt)
@@ -200,7 +201,9 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
         f.write(manifest)
         f.write(pack_footer(pos, manifest))
         if streamed:
-            os.pwrite(f.fileno(), pack_header(minor), 0)
+            head = pack_header(minor)
+            if os.pwrite(f.fileno(), head, 0) != len(head):
+                raise OSError("short write of the file header")
         size = pos + len(manifest) + FOOTER_SIZE
     name = getattr(path, "name", "<file object>") if hasattr(path, "write") else os.fspath(path)
     out = {"path": name, "raw_bytes": prep.total, "stored_bytes": size}

@@ -127,6 +127,14 @@ class Planner:
         self.portable = portable
         self.slow_storage = storage_gbps is not None and storage_gbps < GPU_ZSTD_GBPS
         self._codecs: dict = {}
+        #: the rotate-16 choice held for the rest of a save (see :meth:`hold_rot16`), or None
+        self._rot16_held: bool | None = None
+
+    def hold_rot16(self) -> None:
+        """Make :meth:`_rot16` answer as it does now for every later call: a save planned in
+        batches (``pipeline.prepare(stream=True)``) then treats its float32 storages alike even
+        if the kernels finish compiling mid-save, as planning them all at once would."""
+        self._rot16_held = bool(self._rot16())
 
     @property
     def codec_id(self) -> str:
@@ -291,6 +299,8 @@ class Planner:
 
     def _rot16(self) -> bool:
         """Whether float32 planes alone get ``byteplane`` ``rotate`` 16 now (see :meth:`_plan_all`)."""
+        if self._rot16_held is not None:
+            return self._rot16_held
         return (self.dev == "cuda" and (triton_kernels(start=False) is None or rot16_ready())) or ROT16_ON_CPU
 
     def _decide(self, ref: StorageRef, plan: Plan, var: dict, stored: dict, i: int) -> Plan:
