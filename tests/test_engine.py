@@ -455,3 +455,43 @@ def test_writer_keeps_checksums_computed_on_the_gpu(tmp_path):
         rows = w.finish()
     assert rows["xxh3"].tolist() == [want[0], want[1], 12345, want[3]]
     assert rows["offset"].tolist() == (offs + 16).tolist()
+
+
+def test_load_builds_the_tree_while_the_reader_reads(tmp_path, monkeypatch):
+    """ckptzip.load builds the object tree (views of the output storages) on the caller's thread
+    while the reader thread reads the first groups; the decoded tensors then fill those views:
+    same values, Parameters, shared storages and numpy arrays as before. An error raised while
+    building ends the load with that error and stops the reader thread."""
+    import threading
+    import ckptzip
+    from ckptzip import api
+    from ckptzip.errors import CorruptFileError
+    seen = []
+    real = api.decode_jobs
+
+    def spy(*a, **k):
+        seen.append(a[5] if len(a) > 5 else k.get("idle"))
+        return real(*a, **k)
+    monkeypatch.setattr(api, "decode_jobs", spy)
+    g = torch.Generator().manual_seed(8)
+    w = torch.nn.Parameter(torch.randn(300, 300, generator=g))
+    state = {"w": w, "tied": w, "rows": w.data[1:], "i": torch.arange(5), "a": np.arange(6.0).reshape(2, 3),
+             "h": torch.randn(1000, generator=g).half()}
+    p = tmp_path / "t.ckz"
+    ckptzip.save(state, p)
+    out = ckptzip.load(p)
+    assert seen and seen[0] is not None
+    assert isinstance(out["w"], torch.nn.Parameter) and out["w"].requires_grad
+    assert torch.equal(out["w"].detach(), w.detach()) and torch.equal(out["rows"], w.data[1:])
+    assert out["rows"].untyped_storage().data_ptr() == out["w"].untyped_storage().data_ptr()
+    assert torch.equal(out["i"], state["i"]) and torch.equal(out["h"], state["h"])
+    assert np.array_equal(out["a"], state["a"])
+    from ckptzip.tree import Decoder
+    before = sum(t.name == "ckptzip-reader" for t in threading.enumerate())
+
+    def bad(self, n, depth=0):
+        raise CorruptFileError("invalid object tree: test")
+    monkeypatch.setattr(Decoder, "decode", bad)
+    with pytest.raises(CorruptFileError, match="test"):
+        ckptzip.load(p)
+    assert sum(t.name == "ckptzip-reader" and t.is_alive() for t in threading.enumerate()) <= before

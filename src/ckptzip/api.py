@@ -314,7 +314,7 @@ class CheckpointReader:
         return self._base
 
     def _fill(self, outs: dict[int, torch.Tensor], prog: Callable[[int], None] | None = None,
-              made: dict[int, Job] | None = None) -> None:
+              made: dict[int, Job] | None = None, idle: Callable[[], None] | None = None) -> None:
         """Decode storages ``i`` into the flat uint8 tensors ``outs[i]``, resolving references:
         storages a ``derived`` or ``expref`` one refers to are decoded first (into temporaries unless requested),
         level by level; an ``xor`` storage is first filled with its base storage (decoded from
@@ -323,7 +323,7 @@ class CheckpointReader:
         ``made``: jobs already made for these outputs by :meth:`_job_into` (used, not remade)."""
         batch, breaks = self._plan_fill(outs, made)
         gpu = any(j.codec.device == "cuda" for j in batch)
-        decode_jobs(self._fd, batch, gpu_decode_window() if gpu else DEFAULT_WINDOW, prog, breaks)
+        decode_jobs(self._fd, batch, gpu_decode_window() if gpu else DEFAULT_WINDOW, prog, breaks, idle)
 
     def _plan_fill(self, outs: dict[int, torch.Tensor], made: dict[int, Job] | None = None
                    ) -> tuple[list[Job], list[int]]:
@@ -473,11 +473,11 @@ class CheckpointReader:
             raise ValueError(f"map_location returned {r.numel()} bytes for a storage of {out.numel()}")
         return r
 
-    def _decode(self, jobs: dict[int, Job], total: int | None = None) -> None:
+    def _decode(self, jobs: dict[int, Job], total: int | None = None, idle: Callable[[], None] | None = None) -> None:
         total = self._total_bytes() if total is None else total
         prog = (lambda n: self.progress(n, total)) if self.progress else None
         outs = {i: j.out for i, j in jobs.items()}
-        self._fill(outs, prog, jobs)
+        self._fill(outs, prog, jobs, idle)
         self._cache.update(outs)
 
     def _place(self, kinds: dict[int, str]) -> None:
@@ -497,16 +497,20 @@ class CheckpointReader:
             self._place({i: t})
         return self._cache[i]
 
-    def _prefetch_all(self) -> None:
+    def _prefetch_all(self, early: Callable[[dict[int, torch.Tensor]], None] | None = None) -> None:
         """Decode every storage in one pipelined pass (file order), using each storage's first
-        referencing node kind to place it (a storage reached by no key is decoded on demand)."""
+        referencing node kind to place it (a storage reached by no key is decoded on demand).
+        ``early(outs)``: called with the storages' output tensors (not yet filled) once the
+        reader thread has started (see :func:`~ckptzip.engine.decode.decode_jobs`' ``idle``)."""
         kinds: dict[int, str] = {}
         for n in (self._tensor_nodes().values() if self._paths is not None else tensor_nodes(self.manifest.doc["root"])):
             if type(n.get("s")) is int:
                 kinds.setdefault(n["s"], n["t"])
         kinds = {i: t for i, t in sorted(kinds.items()) if 0 <= i < len(self.storages)}
         self._check_budget(sum(self.storages[i]["nbytes"] for i in kinds), "the checkpoint")
-        self._decode({i: self._job(i, t) for i, t in kinds.items()})
+        jobs = {i: self._job(i, t) for i, t in kinds.items()}
+        outs = {i: j.out for i, j in jobs.items()}
+        self._decode(jobs, idle=(lambda: early(outs)) if early is not None else None)
         self._place(kinds)
 
     def _total_bytes(self) -> int:
@@ -556,9 +560,26 @@ class CheckpointReader:
         return done
 
     def load(self) -> Any:
-        """The whole object, as ``ckptzip.load`` returns it."""
-        self._prefetch_all()
-        obj = Decoder(self._storage, self.allow_pickle).decode(self.manifest.doc["root"])
+        """The whole object, as ``ckptzip.load`` returns it. The object tree is built while the
+        reader thread reads the first groups: its tensors are views of the output storages,
+        which decoding then fills in place (the tree never reads their bytes). Not with a
+        torch-style ``map_location`` callable, which replaces the storages after decoding."""
+        built: list = []
+        ml = self.map_location
+
+        def early(outs: dict[int, torch.Tensor]) -> None:
+            def storage(node: dict[str, Any]) -> torch.Tensor:
+                i = self._storage_index(node)
+                if i not in outs:  # (a storage decoded on demand: build the tree afterwards)
+                    raise _NotPrefetched
+                return outs[i]
+            try:
+                built.append(Decoder(storage, self.allow_pickle).decode(self.manifest.doc["root"]))
+            except _NotPrefetched:
+                pass
+        torch_ml = callable(ml) and not isinstance(ml, Mapping) and _torch_style(ml)
+        self._prefetch_all(None if torch_ml else early)
+        obj = built[0] if built else Decoder(self._storage, self.allow_pickle).decode(self.manifest.doc["root"])
         self._cache.clear()
         return obj
 
@@ -615,6 +636,10 @@ class CheckpointReader:
             self.close()
         except Exception:
             pass
+
+
+class _NotPrefetched(Exception):
+    """The tree refers to a storage the prefetch does not decode (see :meth:`CheckpointReader.load`)."""
 
 
 def _planes_only(job: Job) -> None:

@@ -149,13 +149,17 @@ class Job:
 
 
 def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
-                progress: Callable[[int], None] | None = None, breaks: Collection[int] = ()) -> None:
+                progress: Callable[[int], None] | None = None, breaks: Collection[int] = (),
+                idle: Callable[[], None] | None = None) -> None:
     """Decode storages. Batches of whole blocks are grouped up to ``window`` bytes (many small
     storages per read and per codec call); a reader thread reads and checksums the next group
     into one of four pooled buffers while the current one is decoded. Groups are decoded in
     order; a new group starts at every job index in ``breaks`` (a job that refers to the output
     of an earlier one is never in the same group: CPU groups undo transforms in parallel) and
-    wherever the file changes (a job's ``fd``: a base checkpoint's storages)."""
+    wherever the file changes (a job's ``fd``: a base checkpoint's storages). ``idle``: work of
+    the caller's that needs no decoded bytes, done on this thread while the reader thread reads
+    the first groups (the reader, not this thread, sets the pace of a load from fast storage);
+    an error it raises ends the decode."""
     if not any(job.codec.device == "cuda" for job in jobs):
         window = min(window, CPU_GROUP)  # the reader's next group overlaps this one's decoding
     breaks = set(breaks)
@@ -218,6 +222,8 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     t = threading.Thread(target=reader, name="ckptzip-reader", daemon=True)
     t.start()
     try:
+        if idle is not None:
+            idle()
         with _capi.deferred_checks():
             _decode_loop(grouped, q, free, progress, tk)
     finally:
