@@ -117,6 +117,12 @@ def _resolve_device(saved: str, map_location: Any) -> torch.device:
     return _check_target(torch.device(map_location), map_location)
 
 
+def _maps_storages(ml: Any) -> bool:
+    """Whether ``map_location`` is a torch-style callable: decoded storages are handed to it
+    (on the host) instead of being decoded where it says."""
+    return callable(ml) and not isinstance(ml, Mapping) and _torch_style(ml)
+
+
 def _torch_style(fn: Any) -> bool:
     """Whether a ``map_location`` callable takes torch.load's ``(storage, location)``; a callable
     that accepts exactly one positional argument is the legacy ckptzip form ``fn(location)``."""
@@ -255,7 +261,7 @@ class CheckpointReader:
     def _job(self, i: int, t: str = "tensor") -> Job:
         s = self.storages[i]
         ml = self.map_location if t == "tensor" else "cpu"
-        if callable(ml) and not isinstance(ml, Mapping) and _torch_style(ml):
+        if _maps_storages(ml):
             dev = torch.device("cpu")  # decoded on the host, then handed to ml(storage, location)
         else:
             saved = s.get("device", "cpu") if t == "tensor" else "cpu"
@@ -482,8 +488,7 @@ class CheckpointReader:
 
     def _place(self, kinds: dict[int, str]) -> None:
         """Hand decoded tensor storages to a torch-style ``map_location`` callable."""
-        ml = self.map_location
-        if callable(ml) and not isinstance(ml, Mapping) and _torch_style(ml):
+        if _maps_storages(self.map_location):
             for i, t in kinds.items():
                 if t == "tensor" and i in self._cache:
                     self._cache[i] = self._mapped(i, self._cache[i])
@@ -565,7 +570,6 @@ class CheckpointReader:
         which decoding then fills in place (the tree never reads their bytes). Not with a
         torch-style ``map_location`` callable, which replaces the storages after decoding."""
         built: list = []
-        ml = self.map_location
 
         def early(outs: dict[int, torch.Tensor]) -> None:
             def storage(node: dict[str, Any]) -> torch.Tensor:
@@ -577,8 +581,7 @@ class CheckpointReader:
                 built.append(Decoder(storage, self.allow_pickle).decode(self.manifest.doc["root"]))
             except _NotPrefetched:
                 pass
-        torch_ml = callable(ml) and not isinstance(ml, Mapping) and _torch_style(ml)
-        self._prefetch_all(None if torch_ml else early)
+        self._prefetch_all(None if _maps_storages(self.map_location) else early)
         obj = built[0] if built else Decoder(self._storage, self.allow_pickle).decode(self.manifest.doc["root"])
         self._cache.clear()
         return obj

@@ -229,15 +229,14 @@ class _OnGPU:
         buf, self.buf = self.buf, None
         host, done = _copy_to_host(buf, self._packed, PINNED.acquire)
         done.synchronize()
-        rel, hashed = self.rel, None
+        hashed = None
         if self._hashes is not None:
             (h, idx), self._hashes = self._hashes, None
             with torch.cuda.device(h.device), torch.cuda.stream(_copy_stream(h.device)):
                 got = h.cpu()  # (on the side stream, which waited for the packed event: the hashes are done)
-            rel = rel.copy()
-            rel["xxh3"][idx] = got.numpy().view(np.uint64)
+            self.rel["xxh3"][idx] = got.numpy().view(np.uint64)  # (these rows are this group's alone)
             hashed = idx
-        return host, rel, self.per_unit, hashed
+        return host, self.rel, self.per_unit, hashed
 
 
 def _gpu_hashes(buf: torch.Tensor, rel: np.ndarray):

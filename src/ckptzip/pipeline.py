@@ -98,18 +98,18 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
             alt[i] = g
         else:
             ref_tfs[i] = g
+    total = sum(r.data.numel() for r in enc.storages)
     if stream and planner.dev in STREAM_DEVICES and not reuse_plan and base is None and not alt:
         plans: list = [None] * len(enc.storages)
         planner.hold_rot16()  # one choice for all batches
-        return SaveJob(root, meta, enc.storages, plans, None, sum(r.data.numel() for r in enc.storages), None,
+        return SaveJob(root, meta, enc.storages, plans, None, total, None,
                        streamed=lambda: _planned_groups(planner, enc.storages, plans, window, ref_tfs))
     plans = planner.plan_all(enc.storages, window, reuse_plan, ref_tfs, alt)
     if bases is not None:  # where the base storages the chosen deltas need are (not every candidate's)
         add_hints(bases[0], base_storages, [p.ref.storage for p in plans if p.ref is not None and p.ref.against_base])
     units = [u for i, (ref, plan) in enumerate(zip(enc.storages, plans))
              for u in units_of(i, ref.data, plan, window)]
-    return SaveJob(root, meta, enc.storages, plans, list(groups(units, window)),
-                   sum(r.data.numel() for r in enc.storages), bases)
+    return SaveJob(root, meta, enc.storages, plans, list(groups(units, window)), total, bases)
 
 
 def _planned_groups(planner, refs: list, plans: list, window: int, ref_tfs: dict) -> Iterator[list]:
@@ -152,8 +152,9 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
         streamed = prep.streamed is not None
         if streamed and not isinstance(f, io.FileIO):
             raise ValueError("a streamed save is written to plain local files only")
-        # (streamed: the header is written again once every storage is planned)
-        f.write(pack_header(0 if streamed else _minor(prep)))
+        # (streamed: the minor is known, and the header written again, once every storage is planned)
+        minor = 0 if streamed else _minor(prep)
+        f.write(pack_header(minor))
         w = ChunkWriter(f, HEADER_SIZE, writeback=fsync)
         try:
             for gi, grp in enumerate(prep.streamed() if streamed else prep.groups):
@@ -180,7 +181,8 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
                 rows = w.finish()
             finally:
                 release_scratch()
-        minor = _minor(prep)
+        if streamed:
+            minor = _minor(prep)
         entries, first = [], 0
         for ref, plan, count in zip(prep.refs, prep.plans, counts):
             entries.append({
