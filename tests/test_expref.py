@@ -1,6 +1,7 @@
 """Format 1.2: ``expref`` (Adam's first moment stored with its exponent predicted from the second
 moment): pairing by key, bit-exact round trips (whole loads, single tensors, read_into, async,
 incremental, DCP), the header's minor version, plan reuse, validation of hostile references."""
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -303,6 +304,27 @@ def test_expgrid_windows_and_torch_path_match_numpy():
         refs._torch_exp_add(src.view(torch.int32).view(37, 53), got.view(torch.int32).view(37, 53),
                             r[:, None] + c[None, :], sign)
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows,cols", [(37, 53), (600, 300), (300, 700), (2, 2)])
+def test_expgrid_native_fit_matches_numpy(monkeypatch, rows, cols):
+    """The C fit (native.lib.exp_fit) and the numpy fit sample the same rows and columns and give
+    the same prediction (within a rounding step of the 8.8 fixed point, from float64 sums taken
+    in another order), so either writes a valid, equally good file."""
+    from ckptzip import native
+    from ckptzip.transforms import ExpGrid
+    if native.lib is None:
+        pytest.skip("the C extension is not built")
+    g = torch.Generator().manual_seed(rows)
+    v = (torch.rand(rows, 1, generator=g) * torch.rand(1, cols, generator=g) * 1e-6
+         * torch.exp(torch.randn(rows, cols, generator=g)))
+    raw = v.reshape(-1).view(torch.uint8)
+    fast = ExpGrid.fit(raw, rows, cols)
+    monkeypatch.setattr(native, "lib", None)
+    slow = ExpGrid.fit(raw, rows, cols)
+    assert np.abs(fast.r.astype(np.int64) - slow.r.astype(np.int64)).max() <= 1
+    assert np.abs(fast.c.astype(np.int64) - slow.c.astype(np.int64)).max() <= 1
+    assert (fast.r == slow.r).mean() > 0.99 and (fast.c == slow.c).mean() > 0.99
 
 
 def test_expgrid_in_incremental_saves_best_of_delta_and_grid(tmp_path):

@@ -14,6 +14,9 @@
  *       expgrid's residual (sign -1) or its inverse (sign 1) of float32 words src into out: the
  *       exponent field plus sign x ((r[row] + c[col]) >> 8) mod 256 for word w0 + i of a
  *       len(r) x len(c) grid (r, c: int32); sign bit and mantissa kept (out may be src)
+ *   exp_fit(src, rm, cm, rows, cols, kc, kr)
+ *       expgrid's CPU fit: row means of the exponent field (every kc-th column), column means of
+ *       what the rows leave (every kr-th row), float64 out
  *   exp_ref(src, out, ref, sign)
  *       expref's: the exponent field plus sign x (the reference word's field >> 1) mod 256
  *   plane_entropy(src, bits, width, starts, run)
@@ -416,6 +419,50 @@ done:
     return ret;
 }
 
+/* exp_fit(src, rm, cm, rows, cols, kc, kr): expgrid's CPU fit of the float32 words src (rows x
+ * cols): rm[i] = the mean exponent field of row i over columns 0, kc, 2 kc, ...; cm[j] = the
+ * mean over rows 0, kr, 2 kr, ... of (exponent - (float)rm[i]) computed in float32 (rm, cm:
+ * float64 of rows / cols entries). One pass over the sampled rows instead of numpy's
+ * temporaries. */
+static PyObject *py_exp_fit(PyObject *self, PyObject *args) {
+    Py_buffer src = {0}, rm = {0}, cm = {0};
+    long long rows, cols, kc, kr;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*w*LLLL", &src, &rm, &cm, &rows, &cols, &kc, &kr)) return NULL;
+    PyObject *ret = NULL;
+    long long cells;
+    if (rows < 1 || cols < 1 || kc < 1 || kr < 1 || __builtin_mul_overflow(rows, cols, &cells)
+        || cells > src.len / 4 || rm.len != rows * 8 || cm.len != cols * 8) {
+        PyErr_SetString(PyExc_ValueError, "exp_fit: sizes do not match");
+        goto done;
+    }
+    {
+        const u32a *x = src.buf;
+        double *r = rm.buf, *c = cm.buf;
+        Py_BEGIN_ALLOW_THREADS
+        long long nc = (cols + kc - 1) / kc, nr = (rows + kr - 1) / kr;
+        for (long long i = 0; i < rows; i++) {
+            const u32a *row = x + i * cols;
+            uint64_t sum = 0;
+            for (long long j = 0; j < cols; j += kc) sum += (row[j] >> 23) & 0xFFu;
+            r[i] = (double)sum / (double)nc;
+        }
+        for (long long j = 0; j < cols; j++) c[j] = 0.0;
+        for (long long i = 0; i < rows; i += kr) {
+            const u32a *row = x + i * cols;
+            float ri = (float)r[i];
+            for (long long j = 0; j < cols; j++) c[j] += (double)((float)((row[j] >> 23) & 0xFFu) - ri);
+        }
+        for (long long j = 0; j < cols; j++) c[j] /= (double)nr;
+        Py_END_ALLOW_THREADS
+    }
+    Py_INCREF(Py_None);
+    ret = Py_None;
+done:
+    PyBuffer_Release(&src); PyBuffer_Release(&rm); PyBuffer_Release(&cm);
+    return ret;
+}
+
 static PyObject *py_exp_ref(PyObject *self, PyObject *args) {
     Py_buffer src = {0}, out = {0}, ref = {0};
     int sign;
@@ -725,6 +772,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"exp_grid", py_exp_grid, METH_VARARGS, "exp_grid(src, out, r, c, w0, sign): expgrid's residual / inverse"},
+    {"exp_fit", py_exp_fit, METH_VARARGS, "exp_fit(src, rm, cm, rows, cols, kc, kr): expgrid's CPU fit"},
     {"exp_ref", py_exp_ref, METH_VARARGS, "exp_ref(src, out, ref, sign): expref's residual / inverse"},
     {"plane_entropy", py_plane_entropy, METH_VARARGS,
      "plane_entropy(src, bits, width, starts, run): order-0 entropy of each byte plane of a sample"},
@@ -747,7 +795,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bpnative",
                                     NULL, NULL, NULL, NULL};
 
 /* what ckptzip.native checks: a build of another version of this file is not used */
-#define BPNATIVE_API 4
+#define BPNATIVE_API 5
 
 PyMODINIT_FUNC PyInit__bpnative(void) {
     PyObject *m = PyModule_Create(&module);

@@ -29,6 +29,10 @@ Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
 #: while the caller goes on (CPU groups are written by the caller: nothing to overlap; tests
 #: add "cpu" to run the same path without a GPU)
 STREAM_DEVICES: tuple[str, ...] = ("cuda",)
+#: default window of a CPU save to a local file: the writer thread writes one group while the
+#: caller encodes the next, and the disk write of each starts early (see docs/benchmarks.md,
+#: "Eighteenth session")
+CPU_FILE_WINDOW = 8 << 20
 #: bytes of storages in a streamed save's first planning batch (see :func:`_planned_groups`)
 FIRST_BATCH = 32 << 20
 
@@ -71,7 +75,8 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
     root = enc.encode(obj)
     planner = Planner(codec, transform, chunk_size, level, device, portable, storage_gbps)
     if window is None:
-        window = gpu_window(scratch_heavy=planner.scratch_heavy) if planner.dev == "cuda" else DEFAULT_WINDOW
+        window = (gpu_window(scratch_heavy=planner.scratch_heavy) if planner.dev == "cuda"
+                  else CPU_FILE_WINDOW if stream else DEFAULT_WINDOW)
     ref_tfs: dict = {}
     if derive and transform == "auto":
         from .engine.refplan import find_derived, find_expgrid, find_expref
@@ -155,7 +160,7 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
         # (streamed: the minor is known, and the header written again, once every storage is planned)
         minor = 0 if streamed else _minor(prep)
         f.write(pack_header(minor))
-        w = ChunkWriter(f, HEADER_SIZE, writeback=fsync)
+        w = ChunkWriter(f, HEADER_SIZE, writeback=fsync, cpu_thread=isinstance(f, io.FileIO))
         try:
             for gi, grp in enumerate(prep.streamed() if streamed else prep.groups):
                 if staged is not None and staged[gi] is not None:

@@ -630,8 +630,21 @@ class ExpGrid(_ExpPredictor):
     @classmethod
     def fit_many(cls, items: list) -> list["ExpGrid"]:
         """:meth:`fit` for ``[(data, rows, cols)]``, with one device-to-host copy per device."""
-        fitted: list = []
-        for data, rows, cols in items:
+        fitted: list = [None] * len(items)
+        lib = native.lib
+        cpu_items = [k for k, (data, _r, _c) in enumerate(items) if data.device.type == "cpu"]
+        if lib is not None and cpu_items:  # one pass each in C, the storages spread over the CPU pool
+
+            def one(k: int) -> None:
+                data, rows, cols = items[k]
+                rm, cm = np.empty(rows, dtype=np.float64), np.empty(cols, dtype=np.float64)
+                lib.exp_fit(data.numpy(), rm, cm, rows, cols, max(1, cols // FIT_SAMPLES), max(1, rows // FIT_SAMPLES))
+                fitted[k] = (torch.from_numpy(rm), torch.from_numpy(cm))
+            from ..codecs.cpu import pmap_sized
+            pmap_sized(lambda i: one(cpu_items[i]), [items[k][0].numel() for k in cpu_items])
+        for slot, (data, rows, cols) in enumerate(items):
+            if fitted[slot] is not None:
+                continue
             if data.device.type == "cpu":  # numpy: torch's CPU ops stall on loaded cores
                 # row means from every k-th column, column means from every k-th row (at least
                 # FIT_SAMPLES of each): a quarter of the passes of a full fit, as good a predictor
@@ -641,7 +654,7 @@ class ExpGrid(_ExpPredictor):
                 ks = max(1, rows // FIT_SAMPLES)
                 e = ((u[::ks] >> 23) & 0xFF).astype(np.float32)
                 e -= rm[::ks, None].astype(np.float32)
-                fitted.append((torch.from_numpy(rm), torch.from_numpy(e.mean(0, dtype=np.float64))))
+                fitted[slot] = (torch.from_numpy(rm), torch.from_numpy(e.mean(0, dtype=np.float64)))
                 continue
             w = data.view(torch.int32)
             rm = torch.empty(rows, dtype=torch.float64, device=data.device)
@@ -653,7 +666,7 @@ class ExpGrid(_ExpPredictor):
                 m = e.mean(1)
                 rm[a:b] = m
                 cs += (e - m[:, None]).sum(0, dtype=torch.float64)
-            fitted.append((rm, cs / rows))
+            fitted[slot] = (rm, cs / rows)
         flat = [t for pair in fitted for t in pair]
         by_dev: dict = {}
         for k, t in enumerate(flat):
