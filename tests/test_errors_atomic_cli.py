@@ -11,6 +11,7 @@ import torch
 
 import ckptzip
 import ckptzip.cli
+from conftest import assert_same
 from ckptzip.codecs import get_codec
 from conftest import read_parts, same_bits, write_parts
 
@@ -134,6 +135,70 @@ def test_early_writeback_same_bytes(tmp_path, monkeypatch):
     assert a.read_bytes() == b.read_bytes()
     monkeypatch.setattr(storage, "WRITEBACK", True)
     storage.start_writeback(io.BytesIO(), 0, 10)  # not a plain file: nothing to do, no error
+
+
+def test_cpu_windows_written_by_thread_and_synced_early(tmp_path, monkeypatch):
+    """A CPU save to a local file encodes 8 MiB windows (``pipeline.CPU_FILE_WINDOW``) and the
+    writer thread writes each while the next is encoded; with fsync, the flusher thread
+    fdatasyncs written windows while the save goes on. The bytes are those of a save written
+    by the caller in one window (a file object); without fsync nothing is synced early."""
+    import io
+    import os
+    import threading
+    from ckptzip import pipeline
+    import ckptzip.io.writer as writer
+    monkeypatch.setattr(pipeline, "CPU_FILE_WINDOW", 1 << 20)
+    monkeypatch.setattr(writer, "WRITEBACK_MIN", 256 << 10)
+    synced, writers = [], set()
+    real_sync, real_write = os.fdatasync, writer._write_all
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(threading.current_thread().name), real_sync(fd))[1])
+    monkeypatch.setattr(writer, "_write_all", lambda f, parts: (writers.add(threading.current_thread().name),
+                                                                real_write(f, parts))[1])
+    g = torch.Generator().manual_seed(0)
+    st = {"a": [torch.randn(150_000, generator=g) for _ in range(10)], "b": torch.arange(1000),
+          "c": torch.randn(300_000, generator=g).bfloat16()}
+    a = tmp_path / "a.ckz"
+    ckptzip.save(st, a)
+    assert writers == {"ckptzip-writer"} and len(synced) >= 2 and set(synced) == {"ckptzip-flusher"}
+    buf = io.BytesIO()
+    ckptzip.save(st, buf)  # (a file object: the caller writes, no early sync)
+    assert a.read_bytes() == buf.getvalue()
+    synced.clear()
+    ckptzip.save(st, tmp_path / "b.ckz", fsync=False)
+    assert not synced and (tmp_path / "b.ckz").read_bytes() == a.read_bytes()
+    assert_same(ckptzip.load(a), st)
+    assert not [t for t in threading.enumerate() if t.name in ("ckptzip-writer", "ckptzip-flusher")]
+
+
+@pytest.mark.parametrize("where", ["write", "sync"])
+def test_cpu_writer_thread_errors_keep_old_file(tmp_path, monkeypatch, where):
+    """An I/O error on the writer thread (a write) or the flusher thread (an early fdatasync)
+    fails the save with that error; the previous checkpoint stays, no temp file is left."""
+    import os
+    from ckptzip import pipeline
+    import ckptzip.io.writer as writer
+    monkeypatch.setattr(pipeline, "CPU_FILE_WINDOW", 1 << 20)
+    monkeypatch.setattr(writer, "WRITEBACK_MIN", 256 << 10)
+    p = tmp_path / "a.ckz"
+    ckptzip.save({"v": torch.ones(10)}, p)
+    old = p.read_bytes()
+    calls = []
+
+    def bad(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(5, "injected I/O error")
+        return real(*a, **k)
+    if where == "write":
+        real = writer._write_all
+        monkeypatch.setattr(writer, "_write_all", bad)
+    else:
+        real = os.fdatasync
+        monkeypatch.setattr(os, "fdatasync", bad)
+    with pytest.raises(OSError, match="injected"):
+        ckptzip.save({"v": [torch.randn(150_000) for _ in range(12)]}, p)
+    assert p.read_bytes() == old
+    assert [f.name for f in tmp_path.iterdir()] == ["a.ckz"]
 
 
 KILLER = r"""
