@@ -118,6 +118,48 @@ def test_native_zstd_decode_matches_python_zstandard(seed):
         assert torch.equal(out, ref)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 70_000), min_size=1, max_size=12), st.integers(0, 3), st.integers(0, 2**32 - 1))
+def test_native_zstd_encode_round_trips(sizes, kind, seed):
+    """Byte planes through the system's libzstd (FAST_PLANE_PARAMS): any chunk sizes (empty ones
+    included) and contents (constant, few symbols, random, runs) give standard frames with their
+    content size, which python-zstandard decodes to the input; a chunk outside its buffer is a
+    ValueError before anything is compressed."""
+    import numpy as np
+    import zstandard
+    from ckptzip.codecs import cpu as ccpu
+    lib = _native_zstd()
+    if not ccpu._fast_planes():
+        pytest.skip("libzstd refused the parameters")
+    rng = np.random.default_rng(seed)
+    parts = []
+    for n in sizes:
+        if kind == 0:
+            parts.append(np.full(n, 7, dtype=np.uint8))
+        elif kind == 1:
+            parts.append(rng.choice(np.arange(120, 128, dtype=np.uint8), size=n, p=[.5, .2, .1, .1, .05, .03, .01, .01]))
+        elif kind == 2:
+            parts.append(rng.integers(0, 256, size=n, dtype=np.uint8))
+        else:
+            parts.append(np.repeat(rng.integers(0, 256, size=n // 50 + 1, dtype=np.uint8), 50)[:n])
+    data = torch.from_numpy(np.concatenate(parts))
+    offs = np.concatenate([[0], np.cumsum(sizes[:-1])]).astype(np.int64).tolist()
+    dst, doffs, dsizes = ccpu.ZstdCPU(planes=1).encode(data, offs, sizes)
+    raw = dst.numpy()
+    for o, n, so, sn in zip(doffs, dsizes, offs, sizes):
+        frame = raw[o:o + n].tobytes()
+        assert zstandard.frame_content_size(frame) == sn
+        assert zstandard.ZstdDecompressor().decompress(frame) == data.numpy()[so:so + sn].tobytes()
+    one = np.asarray([0], dtype=np.int64)
+    out = np.zeros(1, dtype=np.int64)
+    with pytest.raises(ValueError):
+        lib.zstd_encode(np.zeros(10, np.uint8), np.zeros(100, np.uint8), one, one + 11, one, one + 100, out, ccpu._params())
+    with pytest.raises(ValueError):
+        lib.zstd_encode(np.zeros(10, np.uint8), np.zeros(100, np.uint8), one, one + 10, one + 1, one + 100, out, ccpu._params())
+    assert lib.zstd_encode(np.zeros(10, np.uint8), np.zeros(100, np.uint8), one, one + 10, one, one + 100, out,
+                           np.asarray([999999, 1], dtype=np.int32))[0] == -1  # a parameter refused
+
+
 def test_native_zstd_decode_refuses_bad_frames():
     """Every failure is a message naming the problem (the codec raises CodecError), and
     arguments outside the buffers are refused before anything is decoded."""
@@ -198,7 +240,12 @@ def test_native_zstd_decode_fuzzed_frames(seed, edits, cut, extra, content_size)
     src = np.frombuffer(bytes(frame), np.uint8)
     got = lib.zstd_decode(src, dst, *[np.asarray([v], np.int64) for v in (0, len(src), guard, want)])
     assert (dst[:guard] == 0xA5).all() and (dst[guard + want:] == 0xA5).all()
-    if got is None:  # (where the bundled zstd refuses a frame the system's accepted, only the bounds hold)
+    if got is None:
+        # a damaged frame that decodes: zstd versions differ there (the system's 1.5.4 and the
+        # bundled one decoded seed 33997's frame, one flipped byte, to different bytes), so only
+        # the bounds hold; the chunk checksum, verified before decoding, refuses such a chunk
+        if edits or cut:
+            return
         try:
             ref = zstandard.ZstdDecompressor().decompressobj().decompress(bytes(frame))
         except zstandard.ZstdError:

@@ -140,14 +140,18 @@ def test_transform_inverts_and_keeps_input(wire, device, n, k):
     assert torch.equal(out.cpu(), raw)
 
 
-@pytest.mark.parametrize("planes", [0, 1])
+@pytest.mark.parametrize("planes,fast", [(0, False), (1, False), (1, True)])
 @pytest.mark.parametrize("multi", [True, False])
-def test_zstd_cpu_paths_bounded_and_standard(planes, multi, monkeypatch):
-    """The CPU zstd codec's two paths (multi-buffer C threads, per-chunk Python) and both
-    parameter sets write standard frames with a content size that any zstd decoder reads, and
-    refuse frames whose declared or decoded size differs from the chunk table's."""
+def test_zstd_cpu_paths_bounded_and_standard(planes, fast, multi, monkeypatch):
+    """The CPU zstd codec's paths (multi-buffer C threads, per-chunk Python, byte planes through
+    the system's libzstd with FAST_PLANE_PARAMS) and parameter sets write standard frames with a
+    content size that any zstd decoder reads, and refuse frames whose declared or decoded size
+    differs from the chunk table's."""
     import zstandard
     from ckptzip.codecs import cpu
+    monkeypatch.setattr(cpu, "FAST_PLANES", fast)
+    if fast and not cpu._fast_planes():
+        pytest.skip("no C extension or no system libzstd")
     if not multi:
         monkeypatch.setattr(cpu.ZstdCPU, "_multi", staticmethod(lambda sizes: 0))
     c = get_codec("zstd", "cpu", planes=planes)

@@ -34,6 +34,11 @@
  *       that failed; src and dst must not overlap. zstd_version(): libzstd's version number, or 0
  *       where none was found (callers then use python-zstandard)
  *
+ *   zstd_encode(src, dst, soffs, ssizes, doffs, dcaps, osizes, params)
+ *       every chunk src[soffs[i]:+ssizes[i]] as one zstd frame into dst[doffs[i]:+dcaps[i]],
+ *       its size into osizes[i], with libzstd's parameters given as int32 (id, value) pairs
+ *       (experimental ones included); None, or (index, message) of the first failure
+ *
  *   pread_many(fd, buf, foffs, boffs, lens, threads)
  *       buf[boffs[i]:+lens[i]] = the file's bytes at foffs[i] (int64 arrays) for every i, by
  *       `threads` POSIX threads taking the ranges in turn, without the GIL for the whole call
@@ -685,6 +690,108 @@ done:
     return finish(ret, t, b, 6);
 }
 
+/* zstd_encode(src, dst, soffs, ssizes, doffs, dcaps, osizes, params): every chunk
+ * src[soffs[i]:+ssizes[i]] compressed as one zstd frame into dst[doffs[i]:+dcaps[i]] (int64
+ * arrays), its size into osizes[i] (int64); params: int32 (parameter, value) pairs for
+ * ZSTD_CCtx_setParameter, experimental ones included (literal compression forced on with the
+ * fast strategy's acceleration: a fast-strategy frame whose literals are Huffman-coded, what
+ * byte planes need). Returns None, or (index, message) of the first chunk that failed (-1: the
+ * library refused a parameter). The compressor is loaded beside the decoder, on first use. */
+typedef struct ZSTD_CCtx_s ZSTD_CCtx;
+static struct {
+    int tried, ok;
+    ZSTD_CCtx *(*create)(void);
+    size_t (*free_)(ZSTD_CCtx *);
+    size_t (*set)(ZSTD_CCtx *, int, int);
+    size_t (*compress2)(ZSTD_CCtx *, void *, size_t, const void *, size_t);
+    size_t (*bound)(size_t);
+} zc;
+
+static int zstd_load_c(void) { /* called with the GIL held */
+    if (zc.tried) return zc.ok;
+    zc.tried = 1;
+    if (!zstd_load()) return 0;
+    void *h = dlopen("libzstd.so.1", RTLD_NOW | RTLD_LOCAL);  /* (the same handle, counted again) */
+    if (!h) return 0;
+    zc.create = (ZSTD_CCtx * (*)(void)) dlsym(h, "ZSTD_createCCtx");
+    zc.free_ = (size_t(*)(ZSTD_CCtx *))dlsym(h, "ZSTD_freeCCtx");
+    zc.set = (size_t(*)(ZSTD_CCtx *, int, int))dlsym(h, "ZSTD_CCtx_setParameter");
+    zc.compress2 = (size_t(*)(ZSTD_CCtx *, void *, size_t, const void *, size_t))dlsym(h, "ZSTD_compress2");
+    zc.bound = (size_t(*)(size_t))dlsym(h, "ZSTD_compressBound");
+    zc.ok = zc.create && zc.free_ && zc.set && zc.compress2 && zc.bound;
+    return zc.ok;
+}
+
+static PyObject *py_zstd_encode(PyObject *self, PyObject *args) {
+    Py_buffer b[8] = {{0}}, *src = &b[0], *dst = &b[1], *tb = b + 2, *osz = &b[6], *par = &b[7];
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*y*y*y*y*w*y*", src, dst, &tb[0], &tb[1], &tb[2], &tb[3], osz, par)) return NULL;
+    PyObject *ret = NULL;
+    int64_t *t = NULL;
+    Py_ssize_t n = 0;
+    if (!zstd_load_c()) {
+        PyErr_SetString(PyExc_RuntimeError, "libzstd.so.1 (1.4 or later, with its compressor) was not found");
+        goto done;
+    }
+    if ((const char *)src->buf < (const char *)dst->buf + dst->len && (const char *)dst->buf < (const char *)src->buf + src->len) {
+        PyErr_SetString(PyExc_ValueError, "zstd_encode: source and destination buffers overlap");
+        goto done;
+    }
+    if (!(t = copy_tables(tb, 4, &n))) goto done;
+    if (osz->len != n * 8 || par->len % 8) {
+        PyErr_SetString(PyExc_ValueError, "zstd_encode: output sizes or parameters of the wrong size");
+        goto done;
+    }
+    const int64_t *so = t, *ss = t + n, *dof = t + 2 * n, *dc = t + 3 * n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (so[i] < 0 || ss[i] < 0 || dof[i] < 0 || dc[i] < 0 || so[i] > src->len - ss[i] ||
+            dof[i] > dst->len - dc[i]) {
+            PyErr_SetString(PyExc_ValueError, "chunk outside its buffer");
+            goto done;
+        }
+    }
+    {
+        char msg[200] = {0};
+        Py_ssize_t bad = -1;
+        int no_memory = 0;
+        const char *sb = src->buf;
+        char *db = dst->buf;
+        i64a *out = osz->buf;
+        const int32_t *pp = par->buf;
+        Py_ssize_t np_ = par->len / 8;
+        Py_BEGIN_ALLOW_THREADS
+        ZSTD_CCtx *cc = zc.create();
+        no_memory = !cc;
+        for (Py_ssize_t k = 0; cc && k < np_ && !msg[0]; k++) {
+            size_t r = zc.set(cc, pp[2 * k], pp[2 * k + 1]);
+            if (zs.is_error(r)) snprintf(msg, sizeof msg, "parameter %d = %d: %s", pp[2 * k], pp[2 * k + 1], zs.error_name(r));
+        }
+        for (Py_ssize_t i = 0; cc && i < n && !msg[0]; i++) {
+            size_t got = zc.compress2(cc, db + dof[i], (size_t)dc[i], sb + so[i], (size_t)ss[i]);
+            if (zs.is_error(got)) {
+                snprintf(msg, sizeof msg, "does not compress: %s", zs.error_name(got));
+                bad = i;
+            } else {
+                out[i] = (int64_t)got;
+            }
+        }
+        if (cc) zc.free_(cc);
+        Py_END_ALLOW_THREADS
+        if (no_memory) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        if (msg[0]) {
+            ret = Py_BuildValue("(ns)", bad, msg);
+            goto done;
+        }
+    }
+    Py_INCREF(Py_None);
+    ret = Py_None;
+done:
+    return finish(ret, t, b, 8);
+}
+
 /* -- parallel reads ------------------------------------------------------------------------- */
 typedef struct {
     int fd;
@@ -785,6 +892,8 @@ static PyMethodDef methods[] = {
      "sign-folded difference (fold 2) onto ref"},
     {"zstd_decode", py_zstd_decode, METH_VARARGS,
      "zstd_decode(src, dst, soffs, ssizes, doffs, dsizes): zstd frames into their slots; None or (index, message)"},
+    {"zstd_encode", py_zstd_encode, METH_VARARGS,
+     "zstd_encode(src, dst, soffs, ssizes, doffs, dcaps, osizes, params): chunks into zstd frames"},
     {"pread_many", py_pread_many, METH_VARARGS,
      "pread_many(fd, buf, foffs, boffs, lens, threads): file ranges into buf by POSIX threads; None or where the file ended"},
     {"zstd_version", py_zstd_version, METH_NOARGS, "libzstd's version number, or 0 where none was found"},
@@ -795,7 +904,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bpnative",
                                     NULL, NULL, NULL, NULL};
 
 /* what ckptzip.native checks: a build of another version of this file is not used */
-#define BPNATIVE_API 5
+#define BPNATIVE_API 6
 
 PyMODINIT_FUNC PyInit__bpnative(void) {
     PyObject *m = PyModule_Create(&module);
