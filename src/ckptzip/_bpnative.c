@@ -78,6 +78,15 @@ typedef int32_t i32a;
 typedef int64_t i64a;
 #endif
 
+
+/* Small work keeps the GIL: a thread that gives it back waits up to the interpreter's switch
+ * interval (5 ms) to take it again while another thread runs Python, far more than a sample's
+ * histogram or a bias's planes take (the CPU planner's entropy samples spent most of their
+ * time there while an encoding thread ran). */
+#define RELEASE_MIN (256LL << 10)
+#define BEGIN_MAYBE(nbytes) { PyThreadState *_ts = (long long)(nbytes) >= RELEASE_MIN ? PyEval_SaveThread() : NULL;
+#define END_MAYBE if (_ts) PyEval_RestoreThread(_ts); }
+
 typedef struct { Py_buffer src, dst, ref; int has_ref; } bufs_t;
 
 static void release(bufs_t *b) {
@@ -268,13 +277,13 @@ static PyObject *planes(PyObject *args, int decode) {
     long long n = b.src.len / w;
     const uint8_t *src = b.src.buf;
     uint8_t *dst = b.dst.buf;
-    Py_BEGIN_ALLOW_THREADS
+    BEGIN_MAYBE((w1 - w0) * w)
     if (decode) {
         FOR_BLOCKS(n, block, w0, w1, dec_run(src + s * w, dst + s * w, NULL, 0, w, m, j0, j1))
     } else {
         FOR_BLOCKS(n, block, w0, w1, enc_run(src + s * w, dst + s * w, w, m, j0, j1))
     }
-    Py_END_ALLOW_THREADS
+    END_MAYBE
     release(&b);
     Py_RETURN_NONE;
 }
@@ -309,9 +318,9 @@ static PyObject *py_decode_onto(PyObject *self, PyObject *args) {
     long long n = b.src.len / w;
     const uint8_t *src = b.src.buf, *ref = b.ref.buf;
     uint8_t *dst = b.dst.buf;
-    Py_BEGIN_ALLOW_THREADS
+    BEGIN_MAYBE((w1 - w0) * w)
     FOR_BLOCKS(n, block, w0, w1, dec_run(src + s * w, dst + s * w, ref + s * w, fold, w, m, j0, j1))
-    Py_END_ALLOW_THREADS
+    END_MAYBE
     release(&b);
     Py_RETURN_NONE;
 }
@@ -401,7 +410,7 @@ static PyObject *py_exp_grid(PyObject *self, PyObject *args) {
         const u32a *x = src.buf;
         u32a *o = out.buf;
         const i32a *rr = r.buf, *cc = c.buf;
-        Py_BEGIN_ALLOW_THREADS
+        BEGIN_MAYBE(n * 4)
         long long k = 0;
         while (k < n) {
             long long g = w0 + k, row = g / cols, col = g % cols;
@@ -415,7 +424,7 @@ static PyObject *py_exp_grid(PyObject *self, PyObject *args) {
             }
             k += m;
         }
-        Py_END_ALLOW_THREADS
+        END_MAYBE
     }
     Py_INCREF(Py_None);
     ret = Py_None;
@@ -444,7 +453,7 @@ static PyObject *py_exp_fit(PyObject *self, PyObject *args) {
     {
         const u32a *x = src.buf;
         double *r = rm.buf, *c = cm.buf;
-        Py_BEGIN_ALLOW_THREADS
+        BEGIN_MAYBE((rows * ((cols + kc - 1) / kc) + ((rows + kr - 1) / kr) * cols) * 4)
         long long nc = (cols + kc - 1) / kc, nr = (rows + kr - 1) / kr;
         for (long long i = 0; i < rows; i++) {
             const u32a *row = x + i * cols;
@@ -459,7 +468,7 @@ static PyObject *py_exp_fit(PyObject *self, PyObject *args) {
             for (long long j = 0; j < cols; j++) c[j] += (double)((float)((row[j] >> 23) & 0xFFu) - ri);
         }
         for (long long j = 0; j < cols; j++) c[j] /= (double)nr;
-        Py_END_ALLOW_THREADS
+        END_MAYBE
     }
     Py_INCREF(Py_None);
     ret = Py_None;
@@ -479,9 +488,9 @@ static PyObject *py_exp_ref(PyObject *self, PyObject *args) {
         long long n = src.len / 4;
         const u32a *x = src.buf, *f = ref.buf;
         u32a *o = out.buf;
-        Py_BEGIN_ALLOW_THREADS
+        BEGIN_MAYBE(n * 4)
         for (long long k = 0; k < n; k++) o[k] = exp_add(x[k], (f[k] >> 1) & 0x3F800000u, sign);
-        Py_END_ALLOW_THREADS
+        END_MAYBE
     }
     Py_INCREF(Py_None);
     ret = Py_None;
@@ -521,7 +530,7 @@ static PyObject *py_plane_entropy(PyObject *self, PyObject *args) {
         const uint8_t *b = src.buf;
         double ent[8], total = (double)words;
         memset(h, 0, sizeof(h));
-        Py_BEGIN_ALLOW_THREADS
+        BEGIN_MAYBE(ns * run * w)
         for (long long i = 0; i < ns; i++) {
             const uint8_t *p = b + st[i] * w;
             if (w == 4) {
@@ -557,7 +566,7 @@ static PyObject *py_plane_entropy(PyObject *self, PyObject *args) {
             }
             ent[k] = total > 0 ? e : 0;
         }
-        Py_END_ALLOW_THREADS
+        END_MAYBE
         memcpy(bits.buf, ent, (size_t)w * sizeof(double));
     }
     Py_INCREF(Py_None);
@@ -904,7 +913,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bpnative",
                                     NULL, NULL, NULL, NULL};
 
 /* what ckptzip.native checks: a build of another version of this file is not used */
-#define BPNATIVE_API 6
+#define BPNATIVE_API 7
 
 PyMODINIT_FUNC PyInit__bpnative(void) {
     PyObject *m = PyModule_Create(&module);

@@ -185,59 +185,64 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
         minor = 0 if streamed else _minor(prep)
         f.write(pack_header(minor))
         w = ChunkWriter(f, HEADER_SIZE, writeback=fsync, cpu_thread=isinstance(f, io.FileIO))
-        source = prep.streamed() if streamed else prep.groups
-        ahead = _encoded_ahead(source) if prep.encode_ahead and staged is None else ((g, None) for g in source)
         try:
-            for gi, (grp, enc) in enumerate(ahead):
-                if staged is not None and staged[gi] is not None:
-                    ent, staged[gi] = staged[gi], None
-                    if hasattr(ent, "fetch"):  # kept on the GPU: copied into a pooled pinned buffer now
-                        host, rel, per_unit, hashed = ent.fetch()
-                        w.add_pooled(host, rel, hashed)
-                    else:
-                        host, rel, per_unit = ent
-                        w.add_staged(host, rel)
-                    del ent
-                else:
-                    enc = enc if enc is not None else encode_group_arrays(grp)
-                    w.add(enc)
-                    per_unit = enc.counts
-                    del enc  # free this group's GPU buffers before the next is encoded
-                for u, n in zip(grp, per_unit):
-                    counts[u.owner] += n
-                if progress:
-                    progress(sum(u.data.numel() for u in grp), prep.total)
-        finally:
+            source = prep.streamed() if streamed else prep.groups
+            ahead = _encoded_ahead(source) if prep.encode_ahead and staged is None else ((g, None) for g in source)
             try:
-                ahead.close()  # (an error here: the helper thread's encoding is waited for, then dropped)
-                rows = w.finish()
+                for gi, (grp, enc) in enumerate(ahead):
+                    if staged is not None and staged[gi] is not None:
+                        ent, staged[gi] = staged[gi], None
+                        if hasattr(ent, "fetch"):  # kept on the GPU: copied into a pooled pinned buffer now
+                            host, rel, per_unit, hashed = ent.fetch()
+                            w.add_pooled(host, rel, hashed)
+                        else:
+                            host, rel, per_unit = ent
+                            w.add_staged(host, rel)
+                        del ent
+                    else:
+                        enc = enc if enc is not None else encode_group_arrays(grp)
+                        w.add(enc)
+                        per_unit = enc.counts
+                        del enc  # free this group's GPU buffers before the next is encoded
+                    for u, n in zip(grp, per_unit):
+                        counts[u.owner] += n
+                    if progress:
+                        progress(sum(u.data.numel() for u in grp), prep.total)
             finally:
-                release_scratch()
-        if streamed:
-            minor = _minor(prep)
-        entries, first = [], 0
-        for ref, plan, count in zip(prep.refs, prep.plans, counts):
-            entries.append({
-                "nbytes": ref.data.numel(), "elem": ref.elem, "device": ref.device,
-                "transforms": ([plan.ref.get_config()] if plan.ref is not None else [])
-                + ([plan.transform.get_config()] if plan.transform else []),
-                "codec": plan.codec.get_config(), "rows": [first, count],
-            })
-            if plan.choice:
-                entries[-1]["choice"] = plan.choice
-            first += count
-        pos = w.pos
-        doc = {"format": "ckz", "version": [1, minor], "created_by": f"ckptzip {__version__}",
-               "meta": prep.meta, "n_chunks": len(rows), "storages": entries, "root": prep.root}
-        if prep.bases:
-            doc["bases"] = prep.bases
-        manifest = pack_manifest(doc, rows)
-        f.write(manifest)
-        f.write(pack_footer(pos, manifest))
-        if streamed:
-            head = pack_header(minor)
-            if os.pwrite(f.fileno(), head, 0) != len(head):
-                raise OSError("short write of the file header")
+                try:
+                    ahead.close()  # (an error here: the helper thread's encoding is waited for, then dropped)
+                    rows = w.finish()
+                finally:
+                    release_scratch()
+            if streamed:
+                minor = _minor(prep)
+            entries, first = [], 0
+            for ref, plan, count in zip(prep.refs, prep.plans, counts):
+                entries.append({
+                    "nbytes": ref.data.numel(), "elem": ref.elem, "device": ref.device,
+                    "transforms": ([plan.ref.get_config()] if plan.ref is not None else [])
+                    + ([plan.transform.get_config()] if plan.transform else []),
+                    "codec": plan.codec.get_config(), "rows": [first, count],
+                })
+                if plan.choice:
+                    entries[-1]["choice"] = plan.choice
+                first += count
+            pos = w.pos
+            doc = {"format": "ckz", "version": [1, minor], "created_by": f"ckptzip {__version__}",
+                   "meta": prep.meta, "n_chunks": len(rows), "storages": entries, "root": prep.root}
+            if prep.bases:
+                doc["bases"] = prep.bases
+            manifest = pack_manifest(doc, rows)
+            f.write(manifest)
+            f.write(pack_footer(pos, manifest))
+            if streamed:
+                head = pack_header(minor)
+                if os.pwrite(f.fileno(), head, 0) != len(head):
+                    raise OSError("short write of the file header")
+        except BaseException:
+            w.close(check=False)
+            raise
+        w.close()  # (joins the flusher thread: a sync still running overlapped the manifest's write)
         size = pos + len(manifest) + FOOTER_SIZE
     name = getattr(path, "name", "<file object>") if hasattr(path, "write") else os.fspath(path)
     out = {"path": name, "raw_bytes": prep.total, "stored_bytes": size}

@@ -229,13 +229,14 @@ class ChunkWriter:
                 return
             done = want
 
-    def _stop_syncer(self) -> None:
+    def _stop_syncer(self, wait: bool = True) -> None:
         if self._syncer is not None:
             with self._sync_cv:
                 self._sync_stop = True
                 self._sync_cv.notify()
-            self._syncer.join()
-            self._syncer = None
+            if wait:
+                self._syncer.join()
+                self._syncer = None
 
     def _check(self) -> None:
         if self._err is not None:
@@ -249,6 +250,15 @@ class ChunkWriter:
                 self._thread.join()
                 self._q = None
         finally:
-            self._stop_syncer()
+            self._stop_syncer(wait=False)
         self._check()
         return np.concatenate(self.rows) if self.rows else np.zeros(0, ROW)
+
+    def close(self, check: bool = True) -> None:
+        """Join the flusher thread (before the file is closed); with ``check``, raise the error of
+        an early sync (an I/O error reported to it is not reported again to the final fsync of
+        the same file description). :meth:`finish` only tells the flusher to stop, so that a
+        sync still running overlaps the writing of the manifest."""
+        self._stop_syncer()
+        if check:
+            self._check()
