@@ -227,6 +227,50 @@ def test_encode_error_on_the_helper_thread_keeps_old_file(tmp_path, monkeypatch)
     assert not [t for t in threading.enumerate() if t.name.startswith(("ckptzip-encoder", "ckptzip-writer"))]
 
 
+def test_tmpfs_pages_allocated_ahead_and_excess_given_back(monkeypatch):
+    """On tmpfs the writer allocates the file's pages ahead of its writes (fallocate, KEEP_SIZE)
+    up to the expected size; pages past the complete file's end are given back, the bytes are
+    those of a save without it, and no thread is left."""
+    import os
+    import tempfile
+    import threading
+    from ckptzip import native, pipeline
+    import ckptzip.io.writer as writer
+    if native.lib is None or not os.path.isdir("/dev/shm"):
+        pytest.skip("no C extension or no /dev/shm")
+    fd = os.open("/dev/shm", os.O_RDONLY)
+    try:
+        if native.lib.fs_type(fd) != writer._TMPFS_MAGIC:
+            pytest.skip("/dev/shm is not tmpfs")
+    finally:
+        os.close(fd)
+    monkeypatch.setattr(writer, "PREALLOC_STEP", 1 << 20)
+    g = torch.Generator().manual_seed(5)
+    st = {"a": torch.randn(2_000_000, generator=g), "b": torch.arange(5000)}
+    total = sum(t.numel() * t.element_size() for t in st.values())
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        a, b = os.path.join(d, "a.ckz"), os.path.join(d, "b.ckz")
+        monkeypatch.setitem(pipeline._SIZES, total, 4 * total)  # expects far more than it writes
+        seen = []
+        real = threading.Thread.start
+
+        def start(self):
+            seen.append(self.name)
+            return real(self)
+        monkeypatch.setattr(threading.Thread, "start", start)
+        ckptzip.save(st, a)
+        assert "ckptzip-prealloc" in seen
+        size = os.path.getsize(a)
+        assert pipeline._SIZES[total] == size  # remembered for the next save of this size
+        assert os.stat(a).st_blocks * 512 <= -(-size // 4096) * 4096 + 4096  # the excess went back
+        monkeypatch.setattr(writer, "PREALLOC", False)
+        ckptzip.save(st, b)
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            assert fa.read() == fb.read()
+        assert_same(ckptzip.load(a), st)
+    assert not [t for t in threading.enumerate() if t.name == "ckptzip-prealloc"]
+
+
 KILLER = r"""
 import sys, torch, ckptzip
 p = sys.argv[1]

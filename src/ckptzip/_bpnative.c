@@ -39,6 +39,9 @@
  *       its size into osizes[i], with libzstd's parameters given as int32 (id, value) pairs
  *       (experimental ones included); None, or (index, message) of the first failure
  *
+ *   fs_type(fd), fallocate(fd, mode, offset, length)
+ *       fstatfs's f_type; Linux fallocate(2) without the GIL (an OSError on failure)
+ *
  *   pread_many(fd, buf, foffs, boffs, lens, threads)
  *       buf[boffs[i]:+lens[i]] = the file's bytes at foffs[i] (int64 arrays) for every i, by
  *       `threads` POSIX threads taking the ranges in turn, without the GIL for the whole call
@@ -50,6 +53,9 @@
  * ranges are checked here, so a wrong call is a Python exception, never a stray write.
  */
 #define PY_SSIZE_T_CLEAN
+#if defined(__linux__) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE /* fallocate */
+#endif
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
@@ -58,6 +64,10 @@
 #include <errno.h>
 #include <pthread.h>
 #include <unistd.h>
+#include <fcntl.h>
+#if defined(__linux__)
+#include <sys/vfs.h>
+#endif
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -801,6 +811,47 @@ done:
     return finish(ret, t, b, 8);
 }
 
+/* -- file space ------------------------------------------------------------------------------
+ * fs_type(fd): the file system's magic number (fstatfs f_type; 0 where unknown).
+ * fallocate(fd, mode, offset, length): Linux fallocate(2) without the GIL (mode 1: KEEP_SIZE,
+ * 3: PUNCH_HOLE | KEEP_SIZE); an OSError on failure. */
+static PyObject *py_fs_type(PyObject *self, PyObject *args) {
+    int fd;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "i", &fd)) return NULL;
+#if defined(__linux__)
+    struct statfs sf;
+    if (fstatfs(fd, &sf) == 0) return PyLong_FromUnsignedLong((unsigned long)sf.f_type);
+#endif
+    return PyLong_FromLong(0);
+}
+
+static PyObject *py_fallocate(PyObject *self, PyObject *args) {
+    int fd, mode;
+    long long off, len;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iiLL", &fd, &mode, &off, &len)) return NULL;
+    if (off < 0 || len <= 0) {
+        PyErr_SetString(PyExc_ValueError, "fallocate: offset must be >= 0 and length > 0");
+        return NULL;
+    }
+#if defined(__linux__)
+    int r, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    r = fallocate(fd, mode, (off_t)off, (off_t)len);
+    if (r) err = errno;
+    Py_END_ALLOW_THREADS
+    if (r) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+#else
+    errno = EOPNOTSUPP;
+    return PyErr_SetFromErrno(PyExc_OSError);
+#endif
+}
+
 /* -- parallel reads ------------------------------------------------------------------------- */
 typedef struct {
     int fd;
@@ -903,6 +954,8 @@ static PyMethodDef methods[] = {
      "zstd_decode(src, dst, soffs, ssizes, doffs, dsizes): zstd frames into their slots; None or (index, message)"},
     {"zstd_encode", py_zstd_encode, METH_VARARGS,
      "zstd_encode(src, dst, soffs, ssizes, doffs, dcaps, osizes, params): chunks into zstd frames"},
+    {"fs_type", py_fs_type, METH_VARARGS, "fs_type(fd): the file system's magic number (0: unknown)"},
+    {"fallocate", py_fallocate, METH_VARARGS, "fallocate(fd, mode, offset, length): Linux fallocate(2)"},
     {"pread_many", py_pread_many, METH_VARARGS,
      "pread_many(fd, buf, foffs, boffs, lens, threads): file ranges into buf by POSIX threads; None or where the file ended"},
     {"zstd_version", py_zstd_version, METH_NOARGS, "libzstd's version number, or 0 where none was found"},
@@ -913,7 +966,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bpnative",
                                     NULL, NULL, NULL, NULL};
 
 /* what ckptzip.native checks: a build of another version of this file is not used */
-#define BPNATIVE_API 7
+#define BPNATIVE_API 8
 
 PyMODINIT_FUNC PyInit__bpnative(void) {
     PyObject *m = PyModule_Create(&module);

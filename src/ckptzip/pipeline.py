@@ -138,6 +138,17 @@ def _planned_groups(planner, refs: list, plans: list, window: int, ref_tfs: dict
         i = j
 
 
+#: file size of the last saves of a given raw size (a training loop saves one layout again and
+#: again): how much of a new file :class:`ChunkWriter` may allocate ahead on tmpfs
+_SIZES: dict[int, int] = {}
+
+
+def _expected_size(prep: SaveJob) -> int:
+    """The size a save's file will likely have: the last one's of the same raw size, else half
+    the raw bytes (pages allocated past the end are given back)."""
+    return _SIZES.get(prep.total, prep.total // 2)
+
+
 def _encoded_ahead(groups: Iterator[list]) -> Iterator[tuple[list, Any]]:
     """``(group, encode_group_arrays(group))`` for each group, the encoding of one group on a
     helper thread while the next is taken from ``groups`` (a streamed save's planner)."""
@@ -184,7 +195,8 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
         # (streamed: the minor is known, and the header written again, once every storage is planned)
         minor = 0 if streamed else _minor(prep)
         f.write(pack_header(minor))
-        w = ChunkWriter(f, HEADER_SIZE, writeback=fsync, cpu_thread=isinstance(f, io.FileIO))
+        w = ChunkWriter(f, HEADER_SIZE, writeback=fsync, cpu_thread=isinstance(f, io.FileIO),
+                        reserve=_expected_size(prep))
         try:
             source = prep.streamed() if streamed else prep.groups
             ahead = _encoded_ahead(source) if prep.encode_ahead and staged is None else ((g, None) for g in source)
@@ -244,6 +256,9 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
             raise
         w.close()  # (joins the flusher thread: a sync still running overlapped the manifest's write)
         size = pos + len(manifest) + FOOTER_SIZE
+    _SIZES[prep.total] = size
+    while len(_SIZES) > 16:
+        _SIZES.pop(next(iter(_SIZES)))
     name = getattr(path, "name", "<file object>") if hasattr(path, "write") else os.fspath(path)
     out = {"path": name, "raw_bytes": prep.total, "stored_bytes": size}
     if prep.bases:

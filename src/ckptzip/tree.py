@@ -37,10 +37,24 @@ DTYPES: dict[str, torch.dtype] = {
 NP_KINDS = "biufc"
 
 
+_DTYPE_NAMES: dict = {}  # torch.dtype -> its wire name (a save names hundreds of tensors' dtypes)
+_DEVICE_NAMES: dict = {}  # torch.device -> str
+
+
 def dtype_name(d: torch.dtype) -> str:
-    name = str(d).removeprefix("torch.")
-    if name not in DTYPES:
-        raise UnsupportedObjectError(f"tensors of dtype {d} are not supported")
+    name = _DTYPE_NAMES.get(d)
+    if name is None:
+        name = str(d).removeprefix("torch.")
+        if name not in DTYPES:
+            raise UnsupportedObjectError(f"tensors of dtype {d} are not supported")
+        _DTYPE_NAMES[d] = name
+    return name
+
+
+def _device_name(d: torch.device) -> str:
+    name = _DEVICE_NAMES.get(d)
+    if name is None:
+        name = _DEVICE_NAMES[d] = str(d)
     return name
 
 
@@ -64,18 +78,18 @@ class Encoder:
     _index: dict[tuple[str, int, int], int] = field(default_factory=dict)
     _keep: list[Any] = field(default_factory=list)
 
-    def _storage(self, t: torch.Tensor) -> int:
+    def _storage(self, t: torch.Tensor, dtype: str) -> int:
         st = t.untyped_storage()
-        key = (str(t.device), st.data_ptr(), st.nbytes())
-        if st.nbytes() == 0:
-            key = (str(t.device), -len(self.storages), 0)  # empty storages are never shared
-        idx = self._index.get(key)
+        dev = t.device
+        dname = _device_name(dev)
+        nbytes = st.nbytes()
+        key = (dname, st.data_ptr(), nbytes) if nbytes else (dname, -len(self.storages), 0)  # (empty
+        idx = self._index.get(key)                                                            # ones are never shared)
         if idx is None:
-            flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
+            flat = torch.empty(0, dtype=torch.uint8, device=dev).set_(st)  # (all of it, flat)
             idx = len(self.storages)
             self._index[key] = idx
-            self.storages.append(StorageRef(flat, dtype_name(t.dtype), str(t.device),
-                                            _float_width(t.dtype)))
+            self.storages.append(StorageRef(flat, dtype, dname, _float_width(t.dtype)))
             self._keep.append(st)
         return idx
 
@@ -84,7 +98,7 @@ class Encoder:
             raise UnsupportedObjectError(
                 f"only dense CPU/CUDA tensors are supported (got layout={t.layout}, device={t.device})")
         node: dict[str, Any] = {"t": "tensor"}
-        if isinstance(t, torch.nn.Parameter):
+        if type(t) is torch.nn.Parameter or (type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter)):
             node["param"] = True
             node["rg"] = bool(t.requires_grad)
             t = t.data
@@ -94,7 +108,8 @@ class Encoder:
             node["rg"] = True
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
-        node.update(s=self._storage(t), dtype=dtype_name(t.dtype), shape=list(t.shape),
+        dtype = dtype_name(t.dtype)
+        node.update(s=self._storage(t, dtype), dtype=dtype, shape=list(t.shape),
                     stride=list(t.stride()), offset=t.storage_offset())
         return node
 
