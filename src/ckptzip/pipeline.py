@@ -25,9 +25,11 @@ from .tree import Encoder
 
 Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
 
-#: where :func:`prepare`'s ``stream`` applies: saves whose windows are written by a thread while
-#: the caller goes on (GPU windows; CPU groups of local files, see :data:`CPU_FILE_WINDOW`)
-STREAM_DEVICES: tuple[str, ...] = ("cuda", "cpu")
+#: where :func:`prepare`'s ``stream`` applies: GPU saves, whose planning takes GPU syncs the
+#: writer thread overlaps (on the CPU, planning in batches and an encoder thread that encoded one
+#: group while the next was planned were measured no faster: docs/benchmarks.md, "Eighteenth
+#: session"; tests add "cpu" to run the same path without a GPU)
+STREAM_DEVICES: tuple[str, ...] = ("cuda",)
 #: default window of a CPU save to a local file: the writer thread writes one group while the
 #: caller encodes the next, and the disk write of each starts early (see docs/benchmarks.md,
 #: "Eighteenth session")
@@ -48,9 +50,6 @@ class SaveJob:
     bases: list | None = None  # format 1.1 base records (incremental saves)
     #: planned while writing (``groups`` is None, ``plans`` fill in): see :func:`prepare`'s ``stream``
     streamed: Callable[[], Iterator[list]] | None = None
-    #: encode each group on a helper thread while the caller plans the next batch (streamed CPU
-    #: saves: the planner's Python and the codecs' C threads then share the cores)
-    encode_ahead: bool = False
 
 
 def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
@@ -110,8 +109,7 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
         plans: list = [None] * len(enc.storages)
         planner.hold_rot16()  # one choice for all batches
         return SaveJob(root, meta, enc.storages, plans, None, total, None,
-                       streamed=lambda: _planned_groups(planner, enc.storages, plans, window, ref_tfs),
-                       encode_ahead=planner.dev == "cpu")
+                       streamed=lambda: _planned_groups(planner, enc.storages, plans, window, ref_tfs))
     plans = planner.plan_all(enc.storages, window, reuse_plan, ref_tfs, alt)
     if bases is not None:  # where the base storages the chosen deltas need are (not every candidate's)
         add_hints(bases[0], base_storages, [p.ref.storage for p in plans if p.ref is not None and p.ref.against_base])
@@ -149,27 +147,6 @@ def _expected_size(prep: SaveJob) -> int:
     return _SIZES.get(prep.total, prep.total // 2)
 
 
-def _encoded_ahead(groups: Iterator[list]) -> Iterator[tuple[list, Any]]:
-    """``(group, encode_group_arrays(group))`` for each group, the encoding of one group on a
-    helper thread while the next is taken from ``groups`` (a streamed save's planner)."""
-    it = iter(groups)
-    grp = next(it, None)
-    if grp is None:
-        return
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(1, thread_name_prefix="ckptzip-encoder") as ex:
-        fut = ex.submit(encode_group_arrays, grp)
-        try:
-            for nxt in it:  # (the next batch is planned here while ``fut`` encodes)
-                enc = fut.result()
-                fut = ex.submit(encode_group_arrays, nxt)
-                yield grp, enc
-                grp = nxt
-            yield grp, fut.result()
-        finally:
-            fut.cancel()
-
-
 def _hints_minor(record: dict) -> int:
     """The minor a base record's located storages need: 3, or 4 where a chain has ``expgrid``."""
     if "storages" not in record:
@@ -198,10 +175,8 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
         w = ChunkWriter(f, HEADER_SIZE, writeback=fsync, cpu_thread=isinstance(f, io.FileIO),
                         reserve=_expected_size(prep))
         try:
-            source = prep.streamed() if streamed else prep.groups
-            ahead = _encoded_ahead(source) if prep.encode_ahead and staged is None else ((g, None) for g in source)
             try:
-                for gi, (grp, enc) in enumerate(ahead):
+                for gi, grp in enumerate(prep.streamed() if streamed else prep.groups):
                     if staged is not None and staged[gi] is not None:
                         ent, staged[gi] = staged[gi], None
                         if hasattr(ent, "fetch"):  # kept on the GPU: copied into a pooled pinned buffer now
@@ -212,7 +187,7 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
                             w.add_staged(host, rel)
                         del ent
                     else:
-                        enc = enc if enc is not None else encode_group_arrays(grp)
+                        enc = encode_group_arrays(grp)
                         w.add(enc)
                         per_unit = enc.counts
                         del enc  # free this group's GPU buffers before the next is encoded
@@ -222,7 +197,6 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
                         progress(sum(u.data.numel() for u in grp), prep.total)
             finally:
                 try:
-                    ahead.close()  # (an error here: the helper thread's encoding is waited for, then dropped)
                     rows = w.finish()
                 finally:
                     release_scratch()
