@@ -59,7 +59,8 @@ def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", trans
     * ``storage_gbps``: the write bandwidth you expect, GB/s; steers ``auto`` on the GPU (slow
       storage favours stronger codecs). Default None (unknown).
     * ``window``: bytes processed per step, bounding working memory (default: a quarter of the GPU
-      budget, min(1 GiB, 10 % of free GPU memory), on a GPU; 64 MiB on the CPU).
+      budget, min(1 GiB, 10 % of free GPU memory), on a GPU; on the CPU 8 MiB for local files, so
+      that one window is written while the next is encoded, else 64 MiB).
     * ``reuse_plan``: reuse the codec and transform choices sampled by an earlier save of the
       same layout (same storages, dtypes and options) in this process instead of sampling again
       (default False; :func:`async_save` and :class:`CheckpointManager` default to True). A

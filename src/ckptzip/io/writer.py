@@ -59,7 +59,10 @@ class ChunkWriter:
     """Appends chunks at 16-byte aligned offsets (zero padding between) and records their table
     rows. GPU windows are copied once into pooled pinned buffers and handed to a background thread
     that checksums and writes them, so the disk write of one window overlaps the compression of
-    the next; at most two windows are in flight."""
+    the next; at most two windows are in flight. With ``cpu_thread`` CPU groups go to that thread
+    too (written from where they lie). Saves that fsync make written windows durable on a
+    flusher thread as they go; on tmpfs a thread allocates the file's pages ahead (``reserve``).
+    :meth:`finish` returns the rows; :meth:`close` joins the helper threads."""
 
     def __init__(self, f, pos: int, writeback: bool = True, cpu_thread: bool = False, reserve: int = 0) -> None:
         self.f, self.pos, self.rows = f, pos, []
@@ -127,8 +130,9 @@ class ChunkWriter:
         return pad, off
 
     def add(self, enc: Encoded) -> None:
-        """Append a group's chunks, in order. CPU groups are written at once; GPU ones are packed
-        on the GPU, copied into a pinned buffer and handed to the writer thread."""
+        """Append a group's chunks, in order. CPU groups are written in place (by the writer
+        thread with ``cpu_thread``, else at once); GPU ones are packed on the GPU, copied into a
+        pinned buffer and handed to the writer thread."""
         if not len(enc.stored):
             return
         if enc.tensors[0].device.type != "cuda" and (self._q is None or self._cpu_thread):
