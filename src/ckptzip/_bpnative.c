@@ -635,6 +635,32 @@ static PyObject *py_zstd_version(PyObject *self, PyObject *args) {
 
 #define ZSTD_UNKNOWN (0ULL - 1)
 
+/* The checks of a call over chunks src[so[i]:+ss[i]] -> dst[dof[i]:+ds[i]] before anything is
+ * done: the buffers do not overlap, every chunk lies inside its buffer. 0, or -1 with ValueError. */
+static int check_chunks(const char *name, const Py_buffer *src, const Py_buffer *dst, const int64_t *so,
+                        const int64_t *ss, const int64_t *dof, const int64_t *ds, Py_ssize_t n) {
+    if ((const char *)src->buf < (const char *)dst->buf + dst->len && (const char *)dst->buf < (const char *)src->buf + src->len) {
+        PyErr_Format(PyExc_ValueError, "%s: source and destination buffers overlap", name);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (so[i] < 0 || ss[i] < 0 || dof[i] < 0 || ds[i] < 0 || so[i] > src->len - ss[i] ||
+            dof[i] > dst->len - ds[i]) {
+            PyErr_SetString(PyExc_ValueError, "chunk outside its buffer");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The end of a call over chunks: NULL after a failed allocation, (index, message) of the first
+ * chunk that failed (msg non-empty), or None. */
+static PyObject *chunks_result(int no_memory, const char *msg, Py_ssize_t bad) {
+    if (no_memory) return PyErr_NoMemory();
+    if (msg[0]) return Py_BuildValue("(ns)", bad, msg);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_zstd_decode(PyObject *self, PyObject *args) {
     Py_buffer b[6] = {{0}}, *src = &b[0], *dst = &b[1], *tb = b + 2;
     (void)self;
@@ -646,19 +672,9 @@ static PyObject *py_zstd_decode(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_RuntimeError, "libzstd.so.1 (1.4 or later) was not found");
         goto done;
     }
-    if ((const char *)src->buf < (const char *)dst->buf + dst->len && (const char *)dst->buf < (const char *)src->buf + src->len) {
-        PyErr_SetString(PyExc_ValueError, "zstd_decode: source and destination buffers overlap");
-        goto done;
-    }
     if (!(t = copy_tables(tb, 4, &n))) goto done;
     const int64_t *so = t, *ss = t + n, *dof = t + 2 * n, *ds = t + 3 * n;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (so[i] < 0 || ss[i] < 0 || dof[i] < 0 || ds[i] < 0 || so[i] > src->len - ss[i] ||
-            dof[i] > dst->len - ds[i]) {
-            PyErr_SetString(PyExc_ValueError, "chunk outside its buffer");
-            goto done;
-        }
-    }
+    if (check_chunks("zstd_decode", src, dst, so, ss, dof, ds, n)) goto done;
     {
         char msg[200] = {0};
         Py_ssize_t bad = -1;
@@ -694,17 +710,8 @@ static PyObject *py_zstd_decode(PyObject *self, PyObject *args) {
         }
         if (dc) zs.free_(dc);
         Py_END_ALLOW_THREADS
-        if (no_memory) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        if (msg[0]) {
-            ret = Py_BuildValue("(ns)", bad, msg);
-            goto done;
-        }
+        ret = chunks_result(no_memory, msg, bad);
     }
-    Py_INCREF(Py_None);
-    ret = Py_None;
 done:
     return finish(ret, t, b, 6);
 }
@@ -752,23 +759,13 @@ static PyObject *py_zstd_encode(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_RuntimeError, "libzstd.so.1 (1.4 or later, with its compressor) was not found");
         goto done;
     }
-    if ((const char *)src->buf < (const char *)dst->buf + dst->len && (const char *)dst->buf < (const char *)src->buf + src->len) {
-        PyErr_SetString(PyExc_ValueError, "zstd_encode: source and destination buffers overlap");
-        goto done;
-    }
     if (!(t = copy_tables(tb, 4, &n))) goto done;
     if (osz->len != n * 8 || par->len % 8) {
         PyErr_SetString(PyExc_ValueError, "zstd_encode: output sizes or parameters of the wrong size");
         goto done;
     }
     const int64_t *so = t, *ss = t + n, *dof = t + 2 * n, *dc = t + 3 * n;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (so[i] < 0 || ss[i] < 0 || dof[i] < 0 || dc[i] < 0 || so[i] > src->len - ss[i] ||
-            dof[i] > dst->len - dc[i]) {
-            PyErr_SetString(PyExc_ValueError, "chunk outside its buffer");
-            goto done;
-        }
-    }
+    if (check_chunks("zstd_encode", src, dst, so, ss, dof, dc, n)) goto done;
     {
         char msg[200] = {0};
         Py_ssize_t bad = -1;
@@ -796,17 +793,8 @@ static PyObject *py_zstd_encode(PyObject *self, PyObject *args) {
         }
         if (cc) zc.free_(cc);
         Py_END_ALLOW_THREADS
-        if (no_memory) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        if (msg[0]) {
-            ret = Py_BuildValue("(ns)", bad, msg);
-            goto done;
-        }
+        ret = chunks_result(no_memory, msg, bad);
     }
-    Py_INCREF(Py_None);
-    ret = Py_None;
 done:
     return finish(ret, t, b, 8);
 }
