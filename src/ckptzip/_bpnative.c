@@ -460,6 +460,8 @@ static PyObject *py_exp_fit(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "exp_fit: sizes do not match");
         goto done;
     }
+    if (kc > cols) kc = cols; /* (the same samples; no overflow in the rounding below) */
+    if (kr > rows) kr = rows;
     {
         const u32a *x = src.buf;
         double *r = rm.buf, *c = cm.buf;

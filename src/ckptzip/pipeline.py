@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -139,6 +140,7 @@ def _planned_groups(planner, refs: list, plans: list, window: int, ref_tfs: dict
 #: file size of the last saves of a given raw size (a training loop saves one layout again and
 #: again): how much of a new file :class:`ChunkWriter` may allocate ahead on tmpfs
 _SIZES: dict[int, int] = {}
+_SIZES_LOCK = threading.Lock()
 
 
 def _expected_size(prep: SaveJob) -> int:
@@ -230,9 +232,10 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
             raise
         w.close()  # (joins the flusher thread: a sync still running overlapped the manifest's write)
         size = pos + len(manifest) + FOOTER_SIZE
-    _SIZES[prep.total] = size
-    while len(_SIZES) > 16:
-        _SIZES.pop(next(iter(_SIZES)))
+    with _SIZES_LOCK:  # (saves run on several threads: async saves, the DCP writer)
+        _SIZES[prep.total] = size
+        while len(_SIZES) > 16:
+            _SIZES.pop(next(iter(_SIZES)))
     name = getattr(path, "name", "<file object>") if hasattr(path, "write") else os.fspath(path)
     out = {"path": name, "raw_bytes": prep.total, "stored_bytes": size}
     if prep.bases:

@@ -69,6 +69,7 @@ class ChunkWriter:
         #: CPU groups too are checksummed and written by the writer thread (at most two in
         #: flight), so that the write of one overlaps the encoding of the next
         self._cpu_thread = cpu_thread
+        self._cpu_room = threading.Semaphore(1)
         #: start the disk write of written ranges early (saves that fsync); where it is done up to
         self._wb, self._flushed = writeback, 0
         self._q: queue.Queue | None = None
@@ -104,16 +105,24 @@ class ChunkWriter:
         except OSError:
             return
 
+        try:
+            own = os.dup(fd)  # (the thread's own descriptor: never one the number of which was reused)
+        except OSError:
+            return
+
         def run() -> None:
             off = 0
-            while off < reserve and not self._pre_stop:
-                n = min(PREALLOC_STEP, reserve - off)
-                try:
-                    lib.fallocate(fd, 1, off, n)  # FALLOC_FL_KEEP_SIZE
-                except OSError:
-                    return  # (only a head start is lost; the writes report real errors)
-                off += n
-                self._pre_end = off
+            try:
+                while off < reserve and not self._pre_stop:
+                    n = min(PREALLOC_STEP, reserve - off)
+                    try:
+                        lib.fallocate(own, 1, off, n)  # FALLOC_FL_KEEP_SIZE
+                    except OSError:
+                        return  # (only a head start is lost; the writes report real errors)
+                    off += n
+                    self._pre_end = off
+            finally:
+                os.close(own)
         self._pre = threading.Thread(target=run, name="ckptzip-prealloc", daemon=True)
         self._pre.start()
 
@@ -155,10 +164,17 @@ class ChunkWriter:
             self.pos = start + total
             self.rows.append(block)
             if self._cpu_thread:
-                slot = self._slot()
+                # one CPU group in flight (being written while the caller encodes the next), so a
+                # save holds at most two windows, as ``window`` promises
+                self._check()
+                self._start_thread()
+                self._cpu_room.acquire()
+                if self._err is not None:
+                    self._cpu_room.release()
+                    self._check()
                 # (``enc`` goes along: its buffers stay alive, and the host scratch pool does not
                 # hand them out again, until they are written)
-                self._q.put((slot, None, self.pos, block, (bufs, parts, enc)))
+                self._q.put((None, None, self.pos, block, (bufs, parts, enc)))
                 return
             block["xxh3"] = [checksum(b) for b in bufs]
             _write_all(self.f, parts)
@@ -213,11 +229,12 @@ class ChunkWriter:
                 return
             slot, host, start, block, hashed = item
             try:
-                if self._err is None and host is None:  # a CPU group: (buffers, parts, its Encoded)
-                    bufs, parts, _enc = hashed
-                    block["xxh3"] = [checksum(b) for b in bufs]
-                    _write_all(self.f, parts)
-                    self._written(start)  # (``start``: where the group ends)
+                if host is None and isinstance(hashed, tuple):  # a CPU group: (buffers, parts, its Encoded)
+                    if self._err is None:
+                        bufs, parts, _enc = hashed
+                        block["xxh3"] = [checksum(b) for b in bufs]
+                        _write_all(self.f, parts)
+                        self._written(start)  # (``start``: where the group ends)
                 elif self._err is None:
                     h = host.numpy()
                     if block is not None:
@@ -237,10 +254,13 @@ class ChunkWriter:
                 self._err = e
             finally:
                 if slot is not None:  # (flow-control token, pinned buffer to give back)
-                    if host is not None:
-                        PINNED.release(slot[1])
-                    self._free.put(slot[0] if host is not None else slot)
-                item = hashed = None  # (a CPU group's buffers are freed now)
+                    PINNED.release(slot[1])
+                    self._free.put(slot[0])
+                if host is None and isinstance(hashed, tuple):
+                    self._cpu_room.release()
+                # (no reference outlives the item: the host scratch pool reuses a buffer only
+                # once nothing holds it)
+                item = slot = host = block = hashed = bufs = parts = _enc = h = None
 
     def _written(self, end: int) -> None:
         """Bytes up to ``end`` are written: start the disk write of the whole pages not yet
