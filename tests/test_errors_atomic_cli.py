@@ -170,18 +170,25 @@ def test_cpu_windows_written_by_thread_and_synced_early(tmp_path, monkeypatch):
     assert not [t for t in threading.enumerate() if t.name in ("ckptzip-writer", "ckptzip-flusher")]
 
 
-@pytest.mark.parametrize("where", ["write", "sync"])
-def test_cpu_writer_thread_errors_keep_old_file(tmp_path, monkeypatch, where):
-    """An I/O error on the writer thread (a write) or the flusher thread (an early fdatasync)
-    fails the save with that error; the previous checkpoint stays, no temp file is left."""
-    import os
+def _small_windows_and_an_old_file(tmp_path, monkeypatch):
+    """1 MiB CPU windows, early syncs every 256 KiB, and a checkpoint at ``a.ckz`` to protect:
+    (its path, its bytes)."""
     from ckptzip import pipeline
     import ckptzip.io.writer as writer
     monkeypatch.setattr(pipeline, "CPU_FILE_WINDOW", 1 << 20)
     monkeypatch.setattr(writer, "WRITEBACK_MIN", 256 << 10)
     p = tmp_path / "a.ckz"
     ckptzip.save({"v": torch.ones(10)}, p)
-    old = p.read_bytes()
+    return p, p.read_bytes()
+
+
+@pytest.mark.parametrize("where", ["write", "sync"])
+def test_cpu_writer_thread_errors_keep_old_file(tmp_path, monkeypatch, where):
+    """An I/O error on the writer thread (a write) or the flusher thread (an early fdatasync)
+    fails the save with that error; the previous checkpoint stays, no temp file is left."""
+    import os
+    import ckptzip.io.writer as writer
+    p, old = _small_windows_and_an_old_file(tmp_path, monkeypatch)
     calls = []
 
     def bad(*a, **k):
@@ -209,13 +216,7 @@ def test_early_sync_error_after_the_last_write_fails_the_save(tmp_path, monkeypa
     import os
     import threading
     import time
-    from ckptzip import pipeline
-    import ckptzip.io.writer as writer
-    monkeypatch.setattr(pipeline, "CPU_FILE_WINDOW", 1 << 20)
-    monkeypatch.setattr(writer, "WRITEBACK_MIN", 256 << 10)
-    p = tmp_path / "a.ckz"
-    ckptzip.save({"v": torch.ones(10)}, p)
-    old = p.read_bytes()
+    p, old = _small_windows_and_an_old_file(tmp_path, monkeypatch)
     calls = []
 
     def slow_then_fail(fd):
