@@ -465,8 +465,8 @@ static PyObject *py_exp_fit(PyObject *self, PyObject *args) {
     {
         const u32a *x = src.buf;
         double *r = rm.buf, *c = cm.buf;
-        BEGIN_MAYBE((rows * ((cols + kc - 1) / kc) + ((rows + kr - 1) / kr) * cols) * 4)
-        long long nc = (cols + kc - 1) / kc, nr = (rows + kr - 1) / kr;
+        long long nc = (cols + kc - 1) / kc, nr = (rows + kr - 1) / kr;  /* the samples per row, column */
+        BEGIN_MAYBE((rows * nc + nr * cols) * 4)
         for (long long i = 0; i < rows; i++) {
             const u32a *row = x + i * cols;
             uint64_t sum = 0;
@@ -732,7 +732,6 @@ static struct {
     size_t (*free_)(ZSTD_CCtx *);
     size_t (*set)(ZSTD_CCtx *, int, int);
     size_t (*compress2)(ZSTD_CCtx *, void *, size_t, const void *, size_t);
-    size_t (*bound)(size_t);
 } zc;
 
 static int zstd_load_c(void) { /* called with the GIL held */
@@ -745,8 +744,7 @@ static int zstd_load_c(void) { /* called with the GIL held */
     zc.free_ = (size_t(*)(ZSTD_CCtx *))dlsym(h, "ZSTD_freeCCtx");
     zc.set = (size_t(*)(ZSTD_CCtx *, int, int))dlsym(h, "ZSTD_CCtx_setParameter");
     zc.compress2 = (size_t(*)(ZSTD_CCtx *, void *, size_t, const void *, size_t))dlsym(h, "ZSTD_compress2");
-    zc.bound = (size_t(*)(size_t))dlsym(h, "ZSTD_compressBound");
-    zc.ok = zc.create && zc.free_ && zc.set && zc.compress2 && zc.bound;
+    zc.ok = zc.create && zc.free_ && zc.set && zc.compress2;
     return zc.ok;
 }
 

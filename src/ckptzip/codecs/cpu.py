@@ -182,6 +182,19 @@ def _bounds(sizes: np.ndarray) -> np.ndarray:
     return sizes + (sizes >> 8) + np.where(small > 0, small >> 11, 0)
 
 
+def _native_runs(call: Callable, cols: list, sizes: np.ndarray) -> None:
+    """``call(*(c[run] for c in cols))`` (a :mod:`ckptzip._bpnative` zstd call over chunks) for
+    runs of chunks of about equal ``sizes`` bytes on the CPU pool, one run for small work; the
+    first ``(index, message)`` a call returns becomes a CodecError naming the chunk (index -1:
+    the call as a whole)."""
+    n = len(sizes)
+    rs = runs(sizes.tolist(), cpu_threads()) if int(sizes.sum()) >= PARALLEL_BYTES else [range(n)]
+    errs = pmap(lambda k: call(*(c[rs[k].start:rs[k].stop] for c in cols)), len(rs))
+    for r, e in zip(rs, errs):
+        if e is not None:
+            raise CodecError(f"zstd: chunk {r.start + max(e[0], 0)} {e[1]}")
+
+
 #: False: byte planes through python-zstandard with PLANE_PARAMS (tests compare both)
 FAST_PLANES = True
 #: below this many bytes per call, chunks are (de)compressed on the calling thread
@@ -294,12 +307,7 @@ class ZstdCPU(_ByteCodec):
         d = dst.numpy()
         got = np.zeros(len(ss), dtype=np.int64)
         par = _params()
-        rs = runs(ss.tolist(), cpu_threads()) if int(ss.sum()) >= PARALLEL_BYTES else [range(len(ss))]
-        errs = pmap(lambda k: native.lib.zstd_encode(a, d, *(c[rs[k].start:rs[k].stop] for c in (so, ss, doffs, caps)),
-                                                     got[rs[k].start:rs[k].stop], par), len(rs))
-        for r, e in zip(rs, errs):
-            if e is not None:
-                raise CodecError(f"zstd: chunk {r.start + max(e[0], 0)} {e[1]}")
+        _native_runs(lambda *c: native.lib.zstd_encode(a, d, *c, par), [so, ss, doffs, caps, got], ss)
         return dst, doffs.tolist(), got.tolist()
 
     @staticmethod
@@ -308,11 +316,7 @@ class ZstdCPU(_ByteCodec):
         about equal bytes on the CPU pool (no result buffers, no Python per chunk)."""
         a, d = as_numpy(src), as_numpy(dst)
         cols = [np.asarray(c, dtype=np.int64) for c in (src_offsets, src_sizes, dst_offsets, dst_sizes)]
-        rs = runs(cols[3].tolist(), cpu_threads()) if sum(dst_sizes) >= PARALLEL_BYTES else [range(len(dst_sizes))]
-        errs = pmap(lambda k: native.lib.zstd_decode(a, d, *(c[rs[k].start:rs[k].stop] for c in cols)), len(rs))
-        for r, e in zip(rs, errs):
-            if e is not None:
-                raise CodecError(f"zstd: chunk {r.start + e[0]} {e[1]}")
+        _native_runs(lambda *c: native.lib.zstd_decode(a, d, *c), cols, cols[3])
 
     def _compress(self, data):
         return self._cctx().compress(data)

@@ -6,6 +6,7 @@ import io
 import os
 import queue
 import threading
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -53,6 +54,15 @@ def _write_all(f, parts: list) -> None:
             else:  # partial write: the rest of this buffer goes first next time
                 parts[i] = p[n:]
                 break
+
+
+class _CpuGroup(NamedTuple):
+    """A CPU group the writer thread writes: its chunks (views of ``enc``'s buffers), what to
+    write (the chunks and their zero padding), and its :class:`Encoded`, kept alive (so the host
+    scratch pool does not hand its buffers out again) until written."""
+    bufs: list
+    parts: list
+    enc: Encoded
 
 
 class ChunkWriter:
@@ -163,26 +173,29 @@ class ChunkWriter:
                     parts.append(_ZEROS[:p])
             self.pos = start + total
             self.rows.append(block)
-            if self._cpu_thread:
-                # one CPU group in flight (being written while the caller encodes the next), so a
-                # save holds at most two windows, as ``window`` promises
-                self._check()
-                self._start_thread()
-                self._cpu_room.acquire()
-                if self._err is not None:
-                    self._cpu_room.release()
-                    self._check()
-                # (``enc`` goes along: its buffers stay alive, and the host scratch pool does not
-                # hand them out again, until they are written)
-                self._q.put((None, None, self.pos, block, (bufs, parts, enc)))
+            grp = _CpuGroup(bufs, parts, enc)
+            if not self._cpu_thread:
+                self._write_cpu(block, grp, self.pos)
                 return
-            block["xxh3"] = [checksum(b) for b in bufs]
-            _write_all(self.f, parts)
-            self._written(self.pos)
+            # one CPU group in flight (being written while the caller encodes the next), so a
+            # save holds at most two windows, as ``window`` promises
+            self._check()
+            self._start_thread()
+            self._cpu_room.acquire()
+            if self._err is not None:
+                self._cpu_room.release()
+                self._check()
+            self._q.put((None, None, self.pos, block, grp))
             return
         slot = self._slot()
         host, rel = stage_encoded(enc, PINNED.acquire)
         self._enqueue((slot, host), host, rel)
+
+    def _write_cpu(self, block: np.ndarray, grp: _CpuGroup, end: int) -> None:
+        """Checksum a CPU group's chunks into its rows ``block`` and write it (it ends at ``end``)."""
+        block["xxh3"] = [checksum(b) for b in grp.bufs]
+        _write_all(self.f, grp.parts)
+        self._written(end)
 
     def add_pooled(self, host: torch.Tensor, rel: np.ndarray, hashed: np.ndarray | None = None) -> None:
         """Append a packed group held in a buffer leased from ``PINNED`` (given back once
@@ -227,14 +240,13 @@ class ChunkWriter:
             item = self._q.get()
             if item is None:
                 return
+            # (a CPU group: no host buffer, ``start`` is where it ends, ``hashed`` the _CpuGroup)
             slot, host, start, block, hashed = item
+            cpu = isinstance(hashed, _CpuGroup)
             try:
-                if host is None and isinstance(hashed, tuple):  # a CPU group: (buffers, parts, its Encoded)
+                if cpu:
                     if self._err is None:
-                        bufs, parts, _enc = hashed
-                        block["xxh3"] = [checksum(b) for b in bufs]
-                        _write_all(self.f, parts)
-                        self._written(start)  # (``start``: where the group ends)
+                        self._write_cpu(block, hashed, start)
                 elif self._err is None:
                     h = host.numpy()
                     if block is not None:
@@ -256,11 +268,11 @@ class ChunkWriter:
                 if slot is not None:  # (flow-control token, pinned buffer to give back)
                     PINNED.release(slot[1])
                     self._free.put(slot[0])
-                if host is None and isinstance(hashed, tuple):
+                if cpu:
                     self._cpu_room.release()
                 # (no reference outlives the item: the host scratch pool reuses a buffer only
                 # once nothing holds it)
-                item = slot = host = block = hashed = bufs = parts = _enc = h = None
+                item = slot = host = block = hashed = h = None
 
     def _written(self, end: int) -> None:
         """Bytes up to ``end`` are written: start the disk write of the whole pages not yet
