@@ -334,16 +334,18 @@ def test_host_scratch_evicts_free_buffers_when_full():
 
 
 
-@pytest.mark.parametrize("split", [True, False])
-def test_cpu_groups_read_raw_chunks_into_place(tmp_path, monkeypatch, split):
+@pytest.mark.parametrize("split,fused", [(True, False), (False, False), (True, True), (False, True)])
+def test_cpu_groups_read_raw_chunks_into_place(tmp_path, monkeypatch, split, fused):
     """CPU loads of local files read raw chunks straight into the decode stream (or the
     destination) and the coded ones into a buffer (io.reader.read_split); with the switch off,
-    all into the buffer and copied. Either way the state is bit-exact, and a damaged raw or
-    coded chunk is a ChecksumError."""
+    all into the buffer and copied. Byte-plane batches of zstd and stored chunks are decoded in
+    one pass from the read buffer (``FUSED``), or in two steps through the stream. Either way
+    the state is bit-exact, and a damaged raw or coded chunk is a ChecksumError."""
     from conftest import read_parts, write_parts
     from ckptzip.engine import decode
     from ckptzip.format import FLAG_STORED_RAW
     monkeypatch.setattr(decode, "SPLIT_READS", split)
+    monkeypatch.setattr(decode, "FUSED", fused)
     g = torch.Generator().manual_seed(1)
     st = {"w": torch.randn(3 << 20, generator=g), "noise": torch.randint(0, 255, (5 << 20,), dtype=torch.uint8, generator=g),
           "h": torch.randn(1 << 20, generator=g).half(), "n": 3}
@@ -495,3 +497,141 @@ def test_load_builds_the_tree_while_the_reader_reads(tmp_path, monkeypatch):
     with pytest.raises(CorruptFileError, match="test"):
         ckptzip.load(p)
     assert sum(t.name == "ckptzip-reader" and t.is_alive() for t in threading.enumerate()) <= before
+
+
+def _fused_lib():
+    from ckptzip import native
+    if native.lib is None or not native.lib.zstd_version():
+        pytest.skip("no C extension or no system libzstd (the two-step decode runs)")
+    return native.lib
+
+
+def _fused_case(seed: int, width: int, nwords: int, block: int, chunk: int, coded_share: float):
+    """Words, and a read buffer with their byteplane stream cut into chunks (each plane of each
+    block into chunks of ``chunk`` words), a share of them zstd frames, the rest stored, at
+    gappy offsets; the rows (structured ROW array) and each chunk's offset in the buffer."""
+    import zstandard
+    from ckptzip.format import FLAG_STORED_RAW, ROW
+    rng = np.random.default_rng(seed)
+    words = (rng.standard_normal(nwords) * 0.02).astype({2: np.float16, 4: np.float32, 8: np.float64}[width])
+    stream = BytePlane(width, block).encode(torch.from_numpy(words.view(np.uint8).copy())).numpy()
+    raws = []
+    for s0 in range(0, nwords, block):
+        m = min(block, nwords - s0)
+        for _plane in range(width):
+            raws.extend(min(chunk, m - c) for c in range(0, m, chunk))
+    parts, rows, soffs, pos, at = [], np.zeros(len(raws), ROW), [], 0, 0
+    for i, r in enumerate(raws):
+        piece = stream[pos:pos + r].tobytes()
+        pos += r
+        coded = rng.random() < coded_share
+        data = zstandard.ZstdCompressor(write_content_size=bool(i % 2)).compress(piece) if coded else piece
+        gap = int(rng.integers(0, 20))
+        parts.append(bytes(gap) + data)
+        soffs.append(at + gap)
+        at += gap + len(data)
+        rows[i]["raw"], rows[i]["stored"] = r, len(data)
+        rows[i]["flags"] = 0 if coded else FLAG_STORED_RAW
+    src = np.frombuffer(b"".join(parts) + bytes(8), dtype=np.uint8)
+    return words, src, rows, np.asarray(soffs, dtype=np.int64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([2, 4, 8]), st.integers(1, 3000), st.integers(1, 1200), st.integers(1, 700),
+       st.floats(0, 1), st.integers(1, 4), st.integers(0, 2**32 - 1))
+def test_fused_planes_decode_equals_the_words(width, nwords, block, chunk, coded_share, parts, seed):
+    """``planes_fused`` (byteplane inverse and zstd in one pass, stored planes read in place)
+    gives back the words for any block and chunk sizes and any mix of stored and zstd chunks,
+    decoded in any number of word ranges (the pool's threads split large batches); words
+    outside a call's range are not written."""
+    from ckptzip.engine.decode import _fused_table
+    lib = _fused_lib()
+    words, src, rows, soffs = _fused_case(seed, width, nwords, block, chunk, coded_share)
+    t = _fused_table(rows, soffs, BytePlane(width, block), nwords * width)
+    assert t is not None
+    dst = np.full(nwords * width, 0xA5, dtype=np.uint8)
+    cuts = sorted({0, nwords, *np.random.default_rng(seed).integers(0, nwords + 1, parts - 1).tolist()})
+    for w0, w1 in zip(cuts, cuts[1:]):
+        assert lib.planes_fused(src, dst, width, *t, w0, w1) is None
+        assert bytes(dst[w1 * width:]) == b"\xa5" * (len(dst) - w1 * width)
+    assert bytes(dst) == words.view(np.uint8).tobytes()
+
+
+def test_fused_planes_refuses_bad_tables_and_frames():
+    """Tables are checked before anything is decoded (ValueError: a chunk outside the source,
+    a gap, overlap or disorder in a plane, a stored chunk whose size is not its words', an
+    unknown kind, buffers that overlap, a word range outside dst); a frame that is not one
+    zstd frame of exactly its words is (index, message), as the zstd decoder reports it."""
+    from ckptzip.engine.decode import _fused_table
+    lib = _fused_lib()
+    words, src, rows, soffs = _fused_case(5, 4, 1000, 400, 150, 0.5)
+    t = _fused_table(rows, soffs, BytePlane(4, 400), 4000)
+    dst = np.zeros(4000, np.uint8)
+    assert lib.planes_fused(src, dst, 4, *t, 0, 1000) is None
+    stored = np.nonzero(t[0] < 256)[0]
+    coded = np.nonzero(t[0] >= 256)[0]
+    assert len(stored) and len(coded)
+
+    def changed(col, i, v):
+        u = [c.copy() for c in t]
+        u[col][i] = v
+        return u
+    k = int(stored[1])
+    for col, i, v in [(3, k, len(src)), (3, k, -1), (4, k, t[4][k] + 1), (1, k, t[1][k] + 1), (2, k, t[2][k] - 1),
+                      (0, k, 2 * 256 + t[0][k]), (0, k, 4), (0, k, -1), (2, k, 0)]:
+        with pytest.raises(ValueError):
+            lib.planes_fused(src, dst, 4, *changed(col, i, v), 0, 1000)
+    swap = [c.copy() for c in t]
+    for c in swap:
+        c[[k, k + 1]] = c[[k + 1, k]]
+    with pytest.raises(ValueError):
+        lib.planes_fused(src, dst, 4, *swap, 0, 1000)
+    with pytest.raises(ValueError):
+        lib.planes_fused(src, dst, 4, *[c[:-1] for c in t], 0, 1000)  # the last plane falls short
+    for w0, w1 in [(-1, 10), (10, 5), (0, 1001)]:
+        with pytest.raises(ValueError):
+            lib.planes_fused(src, dst, 4, *t, w0, w1)
+    with pytest.raises(ValueError):
+        lib.planes_fused(src, dst, 3, *t, 0, 1000)
+    with pytest.raises(ValueError, match="overlap"):
+        both = np.zeros(len(src) + 4000, np.uint8)
+        both[:len(src)] = src
+        lib.planes_fused(both, both[len(src) - 8:len(src) + 3992], 4, *t, 0, 1000)
+    c = int(coded[0])
+    bad = src.copy()
+    bad[t[3][c]:t[3][c] + 4] = 0  # not a zstd frame any more
+    got = lib.planes_fused(bad, dst, 4, *t, 0, 1000)
+    assert got is not None and got[0] == c and "not a zstd frame" in got[1]
+    short = changed(4, c, t[4][c] - 1)  # the frame cut short
+    got = lib.planes_fused(src, dst, 4, *short, 0, 1000)
+    assert got is not None and got[0] == c
+
+
+def test_fused_table_falls_back_for_chunks_across_planes():
+    """A batch whose chunks span two planes (valid, never written by ckptzip) gets no fused
+    table: the two-step decode takes it, and the file loads bit-exact either way."""
+    from ckptzip.engine.decode import _fused_table
+    from ckptzip.format import ROW
+    rows = np.zeros(3, ROW)
+    rows["raw"] = [600, 600, 400]  # planes of 400 bytes (block 400 words of width 4)
+    assert _fused_table(rows, np.zeros(3, np.int64), BytePlane(4, 400), 1600) is None
+    rows = np.zeros(4, ROW)
+    rows["raw"] = 400
+    assert _fused_table(rows, np.zeros(4, np.int64), BytePlane(4, 400), 1600) is not None
+
+
+def test_huge_pages_advise_whole_pages_only():
+    """New load outputs ask for 2 MiB pages: only whole 2 MiB pages inside the buffer are
+    advised (none for small buffers), the buffer's bytes are the caller's, and the switch
+    turns it off."""
+    from ckptzip import native
+    from ckptzip.engine import memory
+    if native.lib is None:
+        pytest.skip("no C extension")
+    a = np.empty(9 << 20, np.uint8)
+    got = native.lib.huge_pages(a)
+    assert got % (2 << 20) == 0 and got <= a.nbytes
+    assert native.lib.huge_pages(np.empty(1 << 20, np.uint8)) == 0
+    t = memory.empty_bytes(6 << 20)
+    t.fill_(7)
+    assert int(t.sum()) == 7 * (6 << 20)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from . import __version__  # noqa: F401  (the CLI reads it from here)
-from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, Job, decode_jobs, gpu_decode_window, gpu_ok,
+from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, Job, decode_jobs, empty_bytes, gpu_decode_window, gpu_ok,
                      storage_chain)
 from .errors import BaseCheckpointError, CorruptFileError, GPURequiredError, ResourceLimitError, TensorNotFoundError
 from .format import parse_manifest
@@ -272,7 +272,7 @@ class CheckpointReader:
                 dev = _resolve_device(saved, ml)
                 if key is not None:
                     self._devices[key] = dev
-        return self._job_into(i, torch.empty(s["nbytes"], dtype=torch.uint8, device=dev))
+        return self._job_into(i, empty_bytes(s["nbytes"], dev))
 
     def _job_into(self, i: int, out: torch.Tensor) -> Job:
         """A job that decodes storage ``i`` into ``out``; a reference transform comes back unbound
@@ -355,7 +355,7 @@ class CheckpointReader:
                 if k not in need:
                     extra += self.storages[k]["nbytes"]
                     self._check_budget(asked + extra, "the requested storages with those they refer to")
-                    need[k] = torch.empty(self.storages[k]["nbytes"], dtype=torch.uint8, device=need[i].device)
+                    need[k] = empty_bytes(self.storages[k]["nbytes"], need[i].device)
                 todo.append(k)
         level: dict[int, int] = {}
 

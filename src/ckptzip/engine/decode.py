@@ -18,15 +18,15 @@ from ..codecs import cpu as ccpu
 from ..codecs.base import Codec, get_codec
 from ..codecs.cpu import cpu_threads, pmap, pmap_sized, runs
 from ..codecs.gpu import release_scratch
-from ..errors import ChecksumError, CorruptFileError
+from ..errors import ChecksumError, CodecError, CorruptFileError
 from ..format import FLAG_STORED_RAW
 from ..io.reader import read_split, read_stored
 from ..storage import split_ranges
 from ..kernels import PARTIAL, PARTIAL16, enabled, launch, triton_kernels
 from ..transforms import RefTransform, Transform, get_transform
-from ..transforms.byteplane import PlaneSubset, np_decode_onto
+from ..transforms.byteplane import BytePlane, PlaneSubset, np_decode_onto
 from ..transforms.refs import Delta, fused_planes, multi_segment, planes_after_ref
-from .memory import ALIGN, HOST, PINNED, copy_segments
+from .memory import ALIGN, HOST, PINNED, copy_segments, empty_bytes
 from .plan import DEFAULT_WINDOW, codec_key
 
 #: decoded bytes per group on the CPU: small enough that reading and checksumming the next
@@ -35,6 +35,10 @@ CPU_GROUP = 16 << 20
 #: CPU groups of local files read their raw chunks straight into the decode stream
 #: (io.reader.read_split); False: into the read buffer, copied afterwards (tests cover both)
 SPLIT_READS = True
+#: CPU byteplane batches of zstd and stored chunks are decoded in one pass per batch (the codec
+#: fused with the byteplane inverse, :func:`_decode_fused`); False: the codec into the group
+#: stream, then the inverse into the destination (tests cover both)
+FUSED = True
 #: read buffers (decode groups) in flight: the caller holds up to two (one decoding on the
 #: GPU), the reader fills the others ahead of it
 READ_AHEAD = 4
@@ -208,7 +212,8 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                 pre = None
                 if (SPLIT_READS and native.lib is not None and isinstance(src, int) and grp[0][0].codec.device == "cpu"
                         and all(job.out.device.type == "cpu" for job, *_ in grp)
-                        and bool((rows["flags"] == FLAG_STORED_RAW).any())):
+                        and bool((rows["flags"] == FLAG_STORED_RAW).any())
+                        and not any(_fusable(job) for job, *_ in grp)):  # (fused: stored planes read in place)
                     # CPU group: raw chunks read straight into the stream
                     pre = group_stream(rows, grp, "cpu", filled=True)
                     host, soffs = read_split(src, rows, pre.stream.numpy(), pre.roffs)
@@ -352,10 +357,18 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     stored = rows["stored"].astype(np.int64)
     raws = rows["raw"].astype(np.int64)
     soffs = np.asarray(soffs, dtype=np.int64)
+    fused = None
+    if work == "cpu" and (pre is None or not pre.filled):
+        fused = _decode_fused(src, soffs, rows, grp)
+        if fused is not None and fused[1] == len(grp):
+            return
     if pre is None:
         pre = group_stream(rows, grp, work)
     direct, starts, stream, roffs, filled = pre
     is_raw = rows["flags"] == FLAG_STORED_RAW
+    if fused is not None:  # (what is left: the group's other batches)
+        left = ~fused[0]
+        is_raw &= left
     if filled:
         pass
     elif work == "cpu":  # numpy: torch's intra-op threads stall on oversubscribed cores
@@ -366,8 +379,9 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     job_key = [keys.setdefault(codec_key(job.codec), (len(keys), job.codec))[0] for job, *_ in grp]
     if len(keys) > 1:
         key_of_row = np.repeat(np.asarray(job_key, dtype=np.int64), [j - i for _job, i, j, _a, _b in grp])
+    coded = ~is_raw if fused is None else ~is_raw & left
     for k, codec in keys.values():
-        ks = np.nonzero(~is_raw if len(keys) == 1 else ~is_raw & (key_of_row == k))[0]
+        ks = np.nonzero(coded if len(keys) == 1 else coded & (key_of_row == k))[0]
         if len(ks):
             cols = (soffs[ks], stored[ks], roffs[ks], raws[ks])
             if codec.device != "cuda":
@@ -378,7 +392,11 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     if work == "cpu":
         outs = {job.out.device for job, *_ in grp}
         if all(d.type == "cpu" for d in outs):
-            _cpu_untransform(stream, grp, starts.tolist())
+            if fused is not None:
+                todo = [(b, pos) for b, pos, f in zip(grp, starts.tolist(), fused[2]) if not f]
+                _cpu_untransform(stream, [b for b, _pos in todo], [pos for _b, pos in todo])
+            else:
+                _cpu_untransform(stream, grp, starts.tolist())
             return
         if len(outs) == 1:  # chunks decoded on the host for one GPU: transforms undone there
             stream, work = stream.to(grp[0][0].out.device, non_blocking=True), "cuda"
@@ -456,6 +474,91 @@ def _untransform_multi(tk, stream: torch.Tensor, todo: list) -> list:
     return rest
 
 
+def _fusable(job: Job) -> bool:
+    """Whether a job's batches are decoded by :func:`_decode_fused`: byte planes (whole-word
+    rotation) of a CPU destination without a reference transform, zstd frames decoded by the
+    system's libzstd (stored chunks aside)."""
+    tf = job.tf
+    return (FUSED and type(tf) is BytePlane and tf.rotate is None and job.ref is None
+            and type(job.codec) is ccpu.ZstdCPU and job.out.device.type == "cpu"
+            and native.lib is not None and bool(native.lib.zstd_version()))
+
+
+def _fused_table(rows: np.ndarray, soffs: np.ndarray, tf: BytePlane, nbytes: int) -> list | None:
+    """The chunk table of :func:`ckptzip._bpnative.planes_fused` for one batch (``rows`` in stream
+    order, ``soffs`` where each lies in the read buffer, ``nbytes`` the batch's stream bytes):
+    plane (+ 256 for a zstd frame), first word, words, source offset and size of each chunk; or
+    None where a chunk spans two planes (a layout this writer never makes: such a batch is
+    decoded the two-step way, which takes any chunking)."""
+    w, blk = tf.width, tf.block
+    raws = rows["raw"].astype(np.int64)
+    if nbytes % w or not len(raws) or bool((raws <= 0).any()):
+        return None
+    pos = np.cumsum(raws) - raws
+    bi = pos // (blk * w)
+    m = np.minimum(blk, nbytes // w - bi * blk)  # each chunk's block's words
+    within = pos - bi * (blk * w)
+    plane = within // m
+    off = within - plane * m
+    if bool((off + raws > m).any()):
+        return None
+    kind = (rows["flags"] != FLAG_STORED_RAW).astype(np.int64)
+    return [plane + 256 * kind, bi * blk + off, raws, soffs, rows["stored"].astype(np.int64)]
+
+
+def _decode_fused(src: torch.Tensor, soffs: np.ndarray, rows: np.ndarray, grp: list
+                  ) -> tuple[np.ndarray, int, list[bool]] | None:
+    """Decode the group's :func:`_fusable` batches straight from the read buffer ``src`` into
+    their destinations: each batch's words are assembled in one pass from its stored planes,
+    read where they lie, and its zstd planes, each frame decoded into a chunk-sized scratch just
+    before (``planes_fused``). The two-step path wrote every byte into the group stream first
+    and read it back. Large batches are cut between the CPU pool's threads at exponent-plane
+    chunk starts. Returns (a mask of the rows done, how many batches, a flag per batch), or
+    None where no batch was fusable."""
+    counts = [j - i for _job, i, j, _a, _b in grp]
+    first = np.cumsum(counts) - counts
+    items, flags = [], []
+    done = np.zeros(len(rows), dtype=bool)
+    for (job, _i, _j, a, b), r0, c in zip(grp, first.tolist(), counts):
+        t = _fused_table(rows[r0:r0 + c], soffs[r0:r0 + c], job.tf, b - a) if _fusable(job) else None
+        flags.append(t is not None)
+        if t is None:
+            continue
+        done[r0:r0 + c] = True
+        items.append((job, a, b, r0, t))
+    if not items:
+        return None
+    threads = cpu_threads()
+    total = sum(b - a for _job, a, b, _r0, _t in items)
+    share = max(ccpu.PARALLEL_BYTES // 2, -(-total // threads))
+    work = []  # (item, first word, end word, bytes)
+    for it in items:
+        job, a, b, _r0, t = it
+        w = job.tf.width
+        nw = (b - a) // w
+        if b - a <= share:
+            work.append((it, 0, nw, b - a))
+            continue
+        starts = t[1][t[0] % 256 == w - 1]  # where the exponent plane's chunks start
+        want = np.arange(1, -(-(b - a) // share)) * (share // w)
+        cuts = np.unique(starts[np.clip(np.searchsorted(starts, want), 0, len(starts) - 1)])
+        edges = [0, *[int(x) for x in cuts if 0 < x < nw], nw]
+        work.extend((it, e0, e1, (e1 - e0) * w) for e0, e1 in zip(edges, edges[1:]))
+    s = src.numpy()
+
+    def one(k: int) -> None:
+        (job, a, b, r0, t), w0, w1, _n = work[k]
+        try:
+            err = native.lib.planes_fused(s, job.out.numpy()[a:b], job.tf.width, *t, w0, w1)
+        except ValueError as e:  # (the table is built from a validated manifest)
+            raise CorruptFileError(f"byteplane chunks: {e}") from None
+        if err is not None:
+            i = max(err[0], 0)
+            raise CodecError(f"zstd: chunk {r0 + i} {err[1]}")
+    pmap_sized(one, [n for *_x, n in work])
+    return done, len(items), flags
+
+
 def _np_copy_segments(src: np.ndarray, soffs: np.ndarray, dst: np.ndarray, doffs: np.ndarray,
                       lens: np.ndarray) -> None:
     """dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]], runs of adjacent segments in one copy."""
@@ -498,7 +601,7 @@ def _cpu_untransform(stream: torch.Tensor, grp: list, starts: list[int]) -> None
                 ref.decode(dst, dst, start=a)
                 return
             if tf is not None:
-                tmp = torch.empty_like(part)
+                tmp = empty_bytes(part.numel())
                 tf.decode(part, tmp)
                 part = tmp
             ref.decode_scratch(part, dst, start=a)
