@@ -550,6 +550,7 @@ def test_incremental_mixed_chain_many_windows(tmp_path, monkeypatch):
     load, get_tensor and verify."""
     import ckptzip.engine.decode as dec
     monkeypatch.setattr(dec, "CPU_GROUP", 64 << 10)  # many decode groups, mixed ones included
+    monkeypatch.setattr(dec, "CPU_GROUP_PER_THREAD", 0)
     g = torch.Generator().manual_seed(5)
     w = torch.randn(200_000, generator=g) * 0.02
     s = [{"w": w, "w_bf16": w.bfloat16(), "h": (torch.randn(30_000, generator=g) * 0.1).half(),

@@ -30,8 +30,11 @@ from .memory import ALIGN, HOST, PINNED, copy_segments, empty_bytes
 from .plan import DEFAULT_WINDOW, codec_key
 
 #: decoded bytes per group on the CPU: small enough that reading and checksumming the next
-#: group overlaps decoding this one, large enough for few codec calls
+#: group overlaps decoding this one, large enough for few codec calls; at least CPU_GROUP_PER_THREAD
+#: per thread of the CPU pool (a fused batch is cut between threads at its exponent plane's
+#: chunks, 4 MiB of words each for the writer's 1 MiB chunks: a 16 MiB group kept 16 cores to 4)
 CPU_GROUP = 16 << 20
+CPU_GROUP_PER_THREAD = 4 << 20
 #: CPU groups of local files read their raw chunks straight into the decode stream
 #: (io.reader.read_split); False: into the read buffer, copied afterwards (tests cover both)
 SPLIT_READS = True
@@ -165,7 +168,8 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     the first groups (the reader, not this thread, sets the pace of a load from fast storage);
     an error it raises ends the decode."""
     if not any(job.codec.device == "cuda" for job in jobs):
-        window = min(window, CPU_GROUP)  # the reader's next group overlaps this one's decoding
+        # (the reader's next group overlaps this one's decoding)
+        window = min(window, max(CPU_GROUP, CPU_GROUP_PER_THREAD * cpu_threads()))
     breaks = set(breaks)
     items = []
     pending = False  # a break whose job had no batch (an empty storage) goes to the next batch made
