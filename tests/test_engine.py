@@ -547,8 +547,9 @@ def test_fused_planes_decode_equals_the_words(width, nwords, block, chunk, coded
     from ckptzip.engine.decode import _fused_table
     lib = _fused_lib()
     words, src, rows, soffs = _fused_case(seed, width, nwords, block, chunk, coded_share)
-    t = _fused_table(rows, soffs, BytePlane(width, block), nwords * width)
+    t = _fused_table(rows, BytePlane(width, block), nwords * width)
     assert t is not None
+    t = [*t[:3], soffs, t[3]]  # (planes_fused's columns: the source offsets before the sizes)
     dst = np.full(nwords * width, 0xA5, dtype=np.uint8)
     cuts = sorted({0, nwords, *np.random.default_rng(seed).integers(0, nwords + 1, parts - 1).tolist()})
     for w0, w1 in zip(cuts, cuts[1:]):
@@ -565,7 +566,8 @@ def test_fused_planes_refuses_bad_tables_and_frames():
     from ckptzip.engine.decode import _fused_table
     lib = _fused_lib()
     words, src, rows, soffs = _fused_case(5, 4, 1000, 400, 150, 0.5)
-    t = _fused_table(rows, soffs, BytePlane(4, 400), 4000)
+    t = _fused_table(rows, BytePlane(4, 400), 4000)
+    t = [*t[:3], soffs, t[3]]
     dst = np.zeros(4000, np.uint8)
     assert lib.planes_fused(src, dst, 4, *t, 0, 1000) is None
     stored = np.nonzero(t[0] < 256)[0]
@@ -614,10 +616,10 @@ def test_fused_table_falls_back_for_chunks_across_planes():
     from ckptzip.format import ROW
     rows = np.zeros(3, ROW)
     rows["raw"] = [600, 600, 400]  # planes of 400 bytes (block 400 words of width 4)
-    assert _fused_table(rows, np.zeros(3, np.int64), BytePlane(4, 400), 1600) is None
+    assert _fused_table(rows, BytePlane(4, 400), 1600) is None
     rows = np.zeros(4, ROW)
     rows["raw"] = 400
-    assert _fused_table(rows, np.zeros(4, np.int64), BytePlane(4, 400), 1600) is not None
+    assert _fused_table(rows, BytePlane(4, 400), 1600) is not None
 
 
 def test_huge_pages_advise_whole_pages_only():

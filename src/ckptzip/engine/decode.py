@@ -42,6 +42,9 @@ SPLIT_READS = True
 #: fused with the byteplane inverse, :func:`_decode_fused`); False: the codec into the group
 #: stream, then the inverse into the destination (tests cover both)
 FUSED = True
+#: smaller batches take the two-step path: their table and call cost more than the pass they
+#: save (about 40 us per batch; a 2-core load of 187 storages of 140 KB was 10 % slower fused)
+FUSED_MIN = 1 << 20
 #: read buffers (decode groups) in flight: the caller holds up to two (one decoding on the
 #: GPU), the reader fills the others ahead of it
 READ_AHEAD = 4
@@ -214,19 +217,21 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                             and all(job.codec.decodes_unverified for job, *_ in grp))
                 src = fd if grp[0][0].fd is None else grp[0][0].fd
                 pre = None
-                if (SPLIT_READS and native.lib is not None and isinstance(src, int) and grp[0][0].codec.device == "cpu"
-                        and all(job.out.device.type == "cpu" for job, *_ in grp)
-                        and bool((rows["flags"] == FLAG_STORED_RAW).any())
-                        and not any(_fusable(job) for job, *_ in grp)):  # (fused: stored planes read in place)
+                cpu = grp[0][0].codec.device == "cpu" and all(job.out.device.type == "cpu" for job, *_ in grp)
+                plan = _fused_plan(rows, grp) if cpu else None
+                to_stream = rows["flags"] == FLAG_STORED_RAW
+                if plan is not None:  # (the fused batches' stored planes are read into the buffer)
+                    to_stream &= ~plan.rows
+                if SPLIT_READS and native.lib is not None and isinstance(src, int) and cpu and bool(to_stream.any()):
                     # CPU group: raw chunks read straight into the stream
                     pre = group_stream(rows, grp, "cpu", filled=True)
-                    host, soffs = read_split(src, rows, pre.stream.numpy(), pre.roffs)
+                    host, soffs = read_split(src, rows, pre.stream.numpy(), pre.roffs, to_stream)
                     later = None
                 else:
                     host, soffs, later = read_stored(src, rows, pinned=gpu, gpu_hash=gpu_hash)
-                q.put((slot, host, soffs, rows, later, pre, None))
+                q.put((slot, host, soffs, rows, later, (pre, plan), None))
         except BaseException as e:  # re-raised by the consumer
-            q.put((None, None, None, None, None, None, e))
+            q.put((None, None, None, None, None, (None, None), e))
 
     t = threading.Thread(target=reader, name="ckptzip-reader", daemon=True)
     t.start()
@@ -274,7 +279,7 @@ def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress, tk=
         free.put(slot)
 
     for grp in grouped:
-        slot, host, soffs, rows, later, pre, err = q.get()
+        slot, host, soffs, rows, later, (pre, plan), err = q.get()
         if err is not None:
             raise err
         work = grp[0][0].codec.device
@@ -284,7 +289,7 @@ def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress, tk=
             got = tk.xxh3_chunks(src, np.asarray(soffs, dtype=np.int64)[later], rows["stored"][later].astype(np.int64))
             hashed = (got.to("cpu", non_blocking=True), rows["xxh3"][later], rows["offset"][later])
         try:
-            decode_group(src, soffs, rows, grp, work, tk, pre)
+            decode_group(src, soffs, rows, grp, work, tk, pre, plan)
         except BaseException:
             if hashed is not None:
                 torch.cuda.current_stream().synchronize()
@@ -354,24 +359,25 @@ def group_stream(rows: np.ndarray, grp: list, work: str, filled: bool = False) -
 
 
 def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: list, work: str, tk=None,
-                 pre: GroupStream | None = None) -> None:
-    """Decode a group of batches (``rows`` concatenated in group order, already verified): raw
-    chunks are copied, codec chunks go to one call per codec, transforms are undone per batch,
-    or, on the GPU with the Triton kernels ``tk``, in one launch per kind of transform chain."""
+                 pre: GroupStream | None = None, plan: FusedPlan | None = None) -> None:
+    """Decode a group of batches (``rows`` concatenated in group order, already verified): the
+    batches of ``plan`` in one pass each (:func:`_decode_fused`; their chunks are all in
+    ``src``); of the others, raw chunks are copied (unless ``pre`` says the reader put them in
+    place), codec chunks go to one call per codec, transforms are undone per batch, or, on the
+    GPU with the Triton kernels ``tk``, in one launch per kind of transform chain."""
     stored = rows["stored"].astype(np.int64)
     raws = rows["raw"].astype(np.int64)
     soffs = np.asarray(soffs, dtype=np.int64)
-    fused = None
-    if work == "cpu" and (pre is None or not pre.filled):
-        fused = _decode_fused(src, soffs, rows, grp)
-        if fused is not None and fused[1] == len(grp):
+    if plan is not None:
+        _decode_fused(src, soffs, plan)
+        if all(plan.batches):
             return
     if pre is None:
         pre = group_stream(rows, grp, work)
     direct, starts, stream, roffs, filled = pre
     is_raw = rows["flags"] == FLAG_STORED_RAW
-    if fused is not None:  # (what is left: the group's other batches)
-        left = ~fused[0]
+    if plan is not None:  # (what is left: the group's other batches)
+        left = ~plan.rows
         is_raw &= left
     if filled:
         pass
@@ -383,7 +389,7 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     job_key = [keys.setdefault(codec_key(job.codec), (len(keys), job.codec))[0] for job, *_ in grp]
     if len(keys) > 1:
         key_of_row = np.repeat(np.asarray(job_key, dtype=np.int64), [j - i for _job, i, j, _a, _b in grp])
-    coded = ~is_raw if fused is None else ~is_raw & left
+    coded = ~is_raw if plan is None else ~is_raw & left
     for k, codec in keys.values():
         ks = np.nonzero(coded if len(keys) == 1 else coded & (key_of_row == k))[0]
         if len(ks):
@@ -396,8 +402,8 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     if work == "cpu":
         outs = {job.out.device for job, *_ in grp}
         if all(d.type == "cpu" for d in outs):
-            if fused is not None:
-                todo = [(b, pos) for b, pos, f in zip(grp, starts.tolist(), fused[2]) if not f]
+            if plan is not None:
+                todo = [(b, pos) for b, pos, f in zip(grp, starts.tolist(), plan.batches) if not f]
                 _cpu_untransform(stream, [b for b, _pos in todo], [pos for _b, pos in todo])
             else:
                 _cpu_untransform(stream, grp, starts.tolist())
@@ -488,12 +494,17 @@ def _fusable(job: Job) -> bool:
             and native.lib is not None and bool(native.lib.zstd_version()))
 
 
-def _fused_table(rows: np.ndarray, soffs: np.ndarray, tf: BytePlane, nbytes: int) -> list | None:
+def _fused_batch(job: Job, a: int, b: int) -> bool:
+    """Whether stream bytes ``a:b`` of ``job`` go to :func:`_decode_fused`."""
+    return b - a >= FUSED_MIN and _fusable(job)
+
+
+def _fused_table(rows: np.ndarray, tf: BytePlane, nbytes: int) -> list | None:
     """The chunk table of :func:`ckptzip._bpnative.planes_fused` for one batch (``rows`` in stream
-    order, ``soffs`` where each lies in the read buffer, ``nbytes`` the batch's stream bytes):
-    plane (+ 256 for a zstd frame), first word, words, source offset and size of each chunk; or
-    None where a chunk spans two planes (a layout this writer never makes: such a batch is
-    decoded the two-step way, which takes any chunking)."""
+    order, ``nbytes`` the batch's stream bytes) without its source offsets: plane (+ 256 for a
+    zstd frame), first word, words and stored size of each chunk; or None where a chunk spans
+    two planes (a layout this writer never makes: such a batch is decoded the two-step way,
+    which takes any chunking)."""
     w, blk = tf.width, tf.block
     raws = rows["raw"].astype(np.int64)
     if nbytes % w or not len(raws) or bool((raws <= 0).any()):
@@ -507,36 +518,44 @@ def _fused_table(rows: np.ndarray, soffs: np.ndarray, tf: BytePlane, nbytes: int
     if bool((off + raws > m).any()):
         return None
     kind = (rows["flags"] != FLAG_STORED_RAW).astype(np.int64)
-    return [plane + 256 * kind, bi * blk + off, raws, soffs, rows["stored"].astype(np.int64)]
+    return [plane + 256 * kind, bi * blk + off, raws, rows["stored"].astype(np.int64)]
 
 
-def _decode_fused(src: torch.Tensor, soffs: np.ndarray, rows: np.ndarray, grp: list
-                  ) -> tuple[np.ndarray, int, list[bool]] | None:
-    """Decode the group's :func:`_fusable` batches straight from the read buffer ``src`` into
-    their destinations: each batch's words are assembled in one pass from its stored planes,
-    read where they lie, and its zstd planes, each frame decoded into a chunk-sized scratch just
-    before (``planes_fused``). The two-step path wrote every byte into the group stream first
-    and read it back. Large batches are cut between the CPU pool's threads at exponent-plane
-    chunk starts. Returns (a mask of the rows done, how many batches, a flag per batch), or
-    None where no batch was fusable."""
+class FusedPlan(NamedTuple):
+    """The batches of a CPU decode group that :func:`_decode_fused` decodes."""
+    rows: np.ndarray  # a mask of the group's rows that belong to them
+    batches: list  # a flag per batch of the group
+    items: list  # (job, a, b, first row, table without source offsets) per fused batch
+
+
+def _fused_plan(rows: np.ndarray, grp: list) -> FusedPlan | None:
+    """The group's :func:`_fused_batch` batches with their ``planes_fused`` tables (the
+    source-offset column is added once the group is read), or None where there is none."""
     counts = [j - i for _job, i, j, _a, _b in grp]
     first = np.cumsum(counts) - counts
     items, flags = [], []
-    done = np.zeros(len(rows), dtype=bool)
+    mask = np.zeros(len(rows), dtype=bool)
     for (job, _i, _j, a, b), r0, c in zip(grp, first.tolist(), counts):
-        t = _fused_table(rows[r0:r0 + c], soffs[r0:r0 + c], job.tf, b - a) if _fusable(job) else None
+        t = _fused_table(rows[r0:r0 + c], job.tf, b - a) if _fused_batch(job, a, b) else None
         flags.append(t is not None)
-        if t is None:
-            continue
-        done[r0:r0 + c] = True
-        items.append((job, a, b, r0, t))
-    if not items:
-        return None
+        if t is not None:
+            mask[r0:r0 + c] = True
+            items.append((job, a, b, r0, t))
+    return FusedPlan(mask, flags, items) if items else None
+
+
+def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan) -> None:
+    """Decode the batches of ``plan`` straight from the read buffer ``src`` (chunk ``i`` of the
+    group at ``soffs[i]``) into their destinations: each batch's words are assembled in one pass
+    from its stored planes, read where they lie, and its zstd planes, each frame decoded into a
+    chunk-sized scratch just before (``planes_fused``). The two-step path wrote every byte into
+    the group stream first and read it back. Large batches are cut between the CPU pool's
+    threads at exponent-plane chunk starts."""
     threads = cpu_threads()
-    total = sum(b - a for _job, a, b, _r0, _t in items)
+    total = sum(b - a for _job, a, b, _r0, _t in plan.items)
     share = max(ccpu.PARALLEL_BYTES // 2, -(-total // threads))
     work = []  # (item, first word, end word, bytes)
-    for it in items:
+    for it in plan.items:
         job, a, b, _r0, t = it
         w = job.tf.width
         nw = (b - a) // w
@@ -552,15 +571,14 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, rows: np.ndarray, grp: l
 
     def one(k: int) -> None:
         (job, a, b, r0, t), w0, w1, _n = work[k]
+        so = np.ascontiguousarray(soffs[r0:r0 + len(t[0])])
         try:
-            err = native.lib.planes_fused(s, job.out.numpy()[a:b], job.tf.width, *t, w0, w1)
+            err = native.lib.planes_fused(s, job.out.numpy()[a:b], job.tf.width, t[0], t[1], t[2], so, t[3], w0, w1)
         except ValueError as e:  # (the table is built from a validated manifest)
             raise CorruptFileError(f"byteplane chunks: {e}") from None
         if err is not None:
-            i = max(err[0], 0)
-            raise CodecError(f"zstd: chunk {r0 + i} {err[1]}")
+            raise CodecError(f"zstd: chunk {r0 + max(err[0], 0)} {err[1]}")
     pmap_sized(one, [n for *_x, n in work])
-    return done, len(items), flags
 
 
 def _np_copy_segments(src: np.ndarray, soffs: np.ndarray, dst: np.ndarray, doffs: np.ndarray,

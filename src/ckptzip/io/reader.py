@@ -123,15 +123,18 @@ def _verify(batch: np.ndarray, ks: np.ndarray, got: np.ndarray) -> None:
 _PARALLEL_MIN = 8 << 20
 
 
-def read_split(fd: int, batch: np.ndarray, stream: np.ndarray, roffs: np.ndarray) -> tuple[torch.Tensor, list[int]]:
+def read_split(fd: int, batch: np.ndarray, stream: np.ndarray, roffs: np.ndarray,
+               to_stream: np.ndarray | None = None) -> tuple[torch.Tensor, list[int]]:
     """A CPU decode group's chunks read with its stream laid out already: chunks stored raw
     straight into their places ``roffs`` in ``stream`` (no copy afterwards), the others into a
-    host buffer for their codec. Every checksum is verified before anything is decoded. Returns
-    the buffer and each chunk's offset in it (0 for the raw ones). Local files, C extension only
+    host buffer for their codec. ``to_stream``: a mask of the chunks that go to the stream (by
+    default every raw chunk; the decoder reads some raw chunks where they lie in the buffer).
+    Every checksum is verified before anything is decoded. Returns the buffer and each chunk's
+    offset in it (0 for those in the stream). Local files, C extension only
     (:func:`~ckptzip.storage.pread_ranges`)."""
     stored = batch["stored"].astype(np.int64)
     fo = batch["offset"].astype(np.int64)
-    raw = batch["flags"] == FLAG_STORED_RAW
+    raw = batch["flags"] == FLAG_STORED_RAW if to_stream is None else to_stream
     coded = ~raw
     padded = np.where(coded, ceil_align(stored), 0)
     soffs = np.cumsum(padded) - padded
