@@ -656,6 +656,31 @@ static PyObject *py_zstd_version(PyObject *self, PyObject *args) {
 
 #define ZSTD_UNKNOWN (0ULL - 1)
 
+/* Decode the chunk in[0:len], which must be exactly one standard zstd frame of exactly `want`
+ * bytes, into out (room for want bytes). 0, or -1 with the reason in msg. A standard frame's
+ * magic is checked first: libzstd also decodes legacy (v0.5, v0.6) and skippable frames, which
+ * are not this format's chunks. Called without the GIL. */
+static int decode_frame(ZSTD_DCtx *dc, const char *in, size_t len, void *out, size_t want, char *msg, size_t cap) {
+    int magic = len >= 4 && (unsigned char)in[0] == 0x28 && (unsigned char)in[1] == 0xB5 &&
+                (unsigned char)in[2] == 0x2F && (unsigned char)in[3] == 0xFD;
+    unsigned long long declared = magic ? zs.content_size(in, len) : ZSTD_UNKNOWN - 1;
+    size_t fsz = magic ? zs.frame_size(in, len) : 0;
+    if (!magic || declared == ZSTD_UNKNOWN - 1 || zs.is_error(fsz)) {
+        snprintf(msg, cap, "is not a zstd frame");
+    } else if (declared != ZSTD_UNKNOWN && declared != (unsigned long long)want) {
+        snprintf(msg, cap, "declares %llu bytes, the chunk table %zu", declared, want);
+    } else if (fsz != len) {
+        snprintf(msg, cap, "is not exactly one zstd frame");
+    } else {
+        size_t got = zs.decompress(dc, out, want, in, len);
+        if (zs.is_error(got))
+            snprintf(msg, cap, "does not decode: %s", zs.error_name(got));
+        else if (got != want)
+            snprintf(msg, cap, "decodes to %zu bytes, the chunk table %zu", got, want);
+    }
+    return msg[0] ? -1 : 0;
+}
+
 /* The checks of a call over chunks src[so[i]:+ss[i]] -> dst[dof[i]:+ds[i]] before anything is
  * done: the buffers do not overlap, every chunk lies inside its buffer. 0, or -1 with ValueError. */
 static int check_chunks(const char *name, const Py_buffer *src, const Py_buffer *dst, const int64_t *so,
@@ -706,28 +731,7 @@ static PyObject *py_zstd_decode(PyObject *self, PyObject *args) {
         ZSTD_DCtx *dc = zs.create();
         no_memory = !dc;
         for (Py_ssize_t i = 0; dc && i < n && !msg[0]; i++) {
-            const char *in = sb + so[i];
-            size_t len = (size_t)ss[i], want = (size_t)ds[i];
-            /* a standard frame's magic first: libzstd also decodes legacy (v0.5, v0.6) and
-             * skippable frames, which are not this format's chunks */
-            int magic = len >= 4 && (unsigned char)in[0] == 0x28 && (unsigned char)in[1] == 0xB5 &&
-                        (unsigned char)in[2] == 0x2F && (unsigned char)in[3] == 0xFD;
-            unsigned long long declared = magic ? zs.content_size(in, len) : ZSTD_UNKNOWN - 1;
-            size_t fsz = magic ? zs.frame_size(in, len) : 0;
-            if (!magic || declared == ZSTD_UNKNOWN - 1 || zs.is_error(fsz)) {
-                snprintf(msg, sizeof msg, "is not a zstd frame");
-            } else if (declared != ZSTD_UNKNOWN && declared != (unsigned long long)want) {
-                snprintf(msg, sizeof msg, "declares %llu bytes, the chunk table %zu", declared, want);
-            } else if (fsz != len) {
-                snprintf(msg, sizeof msg, "is not exactly one zstd frame");
-            } else {
-                size_t got = zs.decompress(dc, db + dof[i], want, in, len);
-                if (zs.is_error(got))
-                    snprintf(msg, sizeof msg, "does not decode: %s", zs.error_name(got));
-                else if (got != want)
-                    snprintf(msg, sizeof msg, "decodes to %zu bytes, the chunk table %zu", got, want);
-            }
-            if (msg[0]) bad = i;
+            if (decode_frame(dc, sb + so[i], (size_t)ss[i], db + dof[i], (size_t)ds[i], msg, sizeof msg)) bad = i;
         }
         if (dc) zs.free_(dc);
         Py_END_ALLOW_THREADS
@@ -902,26 +906,8 @@ static PyObject *py_planes_fused(PyObject *self, PyObject *args) {
                     pp[k] = sb + so[i] + (s - ws[i]);
                 } else {
                     if (have[k] != i) {
-                        const char *in = (const char *)sb + so[i];
-                        size_t len = (size_t)ss[i], want = (size_t)wn[i];
-                        int magic = len >= 4 && (unsigned char)in[0] == 0x28 && (unsigned char)in[1] == 0xB5 &&
-                                    (unsigned char)in[2] == 0x2F && (unsigned char)in[3] == 0xFD;
-                        unsigned long long declared = magic ? zs.content_size(in, len) : ZSTD_UNKNOWN - 1;
-                        size_t fsz = magic ? zs.frame_size(in, len) : 0;
-                        if (!magic || declared == ZSTD_UNKNOWN - 1 || zs.is_error(fsz)) {
-                            snprintf(msg, sizeof msg, "is not a zstd frame");
-                        } else if (declared != ZSTD_UNKNOWN && declared != (unsigned long long)want) {
-                            snprintf(msg, sizeof msg, "declares %llu bytes, the chunk table %zu", declared, want);
-                        } else if (fsz != len) {
-                            snprintf(msg, sizeof msg, "is not exactly one zstd frame");
-                        } else {
-                            size_t got = zs.decompress(dc, scratch[k], want, in, len);
-                            if (zs.is_error(got))
-                                snprintf(msg, sizeof msg, "does not decode: %s", zs.error_name(got));
-                            else if (got != want)
-                                snprintf(msg, sizeof msg, "decodes to %zu bytes, the chunk table %zu", got, want);
-                        }
-                        if (msg[0]) {
+                        if (decode_frame(dc, (const char *)sb + so[i], (size_t)ss[i], scratch[k], (size_t)wn[i], msg,
+                                         sizeof msg)) {
                             bad = i;
                             break;
                         }
