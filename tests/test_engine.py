@@ -634,6 +634,6 @@ def test_huge_pages_advise_whole_pages_only():
     got = native.lib.huge_pages(a)
     assert got % (2 << 20) == 0 and got <= a.nbytes
     assert native.lib.huge_pages(np.empty(1 << 20, np.uint8)) == 0
-    t = memory.empty_bytes(6 << 20)
+    t = memory.empty_bytes(40 << 20)
     t.fill_(7)
-    assert int(t.sum()) == 7 * (6 << 20)
+    assert int(t.sum()) == 7 * (40 << 20)
