@@ -565,3 +565,38 @@ def test_sync_save_reuses_plans_only_when_asked(tmp_path, monkeypatch):
     back = mgr.load()
     for k, s in st_["optimizer"]["state"].items():
         assert torch.equal(back["optimizer"]["state"][k]["exp_avg_sq"], s["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_expgrid_and_expref_fused_cpu_decode(tmp_path, monkeypatch, fused):
+    """CPU loads undo ``expgrid`` and ``expref`` in place on each piece of a fused byteplane
+    batch (pieces split between threads, each with its own start offset), or in two steps:
+    bit-exact either way, and the fused path really takes these storages."""
+    from ckptzip import native
+    from ckptzip.engine import decode as dec
+    if fused and (native.lib is None or not native.lib.zstd_version()):
+        pytest.skip("no C extension or no system libzstd")
+    monkeypatch.setattr(dec, "FUSED", fused)
+    monkeypatch.setattr(dec, "FUSED_MIN", 1 << 16)
+    monkeypatch.setattr(dec.ccpu, "PARALLEL_BYTES", 1 << 18)  # pieces of 128 KiB and up
+    st_ = grid_state(rows=512, cols=768, layers=2)
+    st_["opt2"] = adam_state(1, rows=512, cols=768, layers=1)["optimizer"]  # (m against v: expref)
+    p = tmp_path / "g.ckz"
+    info = ckptzip.save(st_, p, device="cpu", chunk_size=1 << 16)
+    assert info["expgrid_storages"] >= 2
+    tf = transforms_by_key(p)
+    assert tf["opt2.state.0.exp_avg"][0] == "expref" and tf["optimizer.state.0.exp_avg_sq"][0] == "expgrid"
+    calls = []
+    if fused:
+        real = native.lib
+
+        class Spy:
+            def __getattr__(self, k):
+                f = getattr(real, k)
+                if k != "planes_fused":
+                    return f
+                return lambda *a: calls.append((a[-2], a[-1])) or f(*a)
+        monkeypatch.setattr(native, "lib", Spy())
+    assert_same(ckptzip.load(p), st_)
+    if fused:
+        assert any(w0 > 0 for w0, _w1 in calls)  # a batch cut into pieces

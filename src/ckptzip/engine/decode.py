@@ -486,10 +486,11 @@ def _untransform_multi(tk, stream: torch.Tensor, todo: list) -> list:
 
 def _fusable(job: Job) -> bool:
     """Whether a job's batches are decoded by :func:`_decode_fused`: byte planes (whole-word
-    rotation) of a CPU destination without a reference transform, zstd frames decoded by the
-    system's libzstd (stored chunks aside)."""
+    rotation) of a CPU destination, zstd frames decoded by the system's libzstd (stored chunks
+    aside), and no reference transform or one undone in place word by word (``expgrid``,
+    ``expref``: applied to each piece right after its words are assembled)."""
     tf = job.tf
-    return (FUSED and type(tf) is BytePlane and tf.rotate is None and job.ref is None
+    return (FUSED and type(tf) is BytePlane and tf.rotate is None and (job.ref is None or job.ref.in_place)
             and type(job.codec) is ccpu.ZstdCPU and job.out.device.type == "cpu"
             and native.lib is not None and bool(native.lib.zstd_version()))
 
@@ -578,6 +579,10 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan) -> None
             raise CorruptFileError(f"byteplane chunks: {e}") from None
         if err is not None:
             raise CodecError(f"zstd: chunk {r0 + max(err[0], 0)} {err[1]}")
+        if job.ref is not None:  # (in place, on the piece while it is in the cache)
+            w = job.tf.width
+            piece = job.out[a + w0 * w:a + w1 * w]
+            job.ref.decode(piece, piece, start=a + w0 * w)
     pmap_sized(one, [n for *_x, n in work])
 
 
