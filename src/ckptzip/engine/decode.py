@@ -42,9 +42,10 @@ SPLIT_READS = True
 #: fused with the byteplane inverse, :func:`_decode_fused`); False: the codec into the group
 #: stream, then the inverse into the destination (tests cover both)
 FUSED = True
-#: smaller batches take the two-step path: their table and call cost more than the pass they
-#: save (about 40 us per batch; a 2-core load of 187 storages of 140 KB was 10 % slower fused)
-FUSED_MIN = 1 << 20
+#: smaller batches take the two-step path: their table and call cost about 40 us, as much as
+#: the pass they save (2-core loads from memory, medians of 11 interleaved rounds: 200 tensors
+#: of 200 KB 81 -> 65 ms fused from 32 KiB on; 800 of 52 KB no faster)
+FUSED_MIN = 64 << 10
 #: read buffers (decode groups) in flight: the caller holds up to two (one decoding on the
 #: GPU), the reader fills the others ahead of it
 READ_AHEAD = 4
