@@ -1,5 +1,7 @@
 """The engine's parts on their own: planning (windows, units, groups), memory (pinned pool,
 segment copies), packing. End-to-end behaviour is in test_roundtrip.py and test_gpu.py."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -637,3 +639,123 @@ def test_huge_pages_advise_whole_pages_only():
     t = memory.empty_bytes(40 << 20)
     t.fill_(7)
     assert int(t.sum()) == 7 * (40 << 20)
+
+
+def _craft_planes(path, words: np.ndarray, block: int, per_plane):
+    """A one-storage file of ``words`` (float32 or float64) under ``byteplane`` with chunk sizes
+    chosen per plane (``per_plane(plane, m)``: raw sizes of that plane's chunks in a block of
+    ``m`` words), every chunk a zstd frame (stored raw where it does not shrink)."""
+    import json
+    import zstandard
+    from ckptzip import format as fmt
+    w = words.dtype.itemsize
+    stream = BytePlane(w, block).encode(torch.from_numpy(words.view(np.uint8).copy())).numpy().tobytes()
+    data, rows_all, pos = bytearray(fmt.pack_header(0)), [], 0
+    n = len(words)
+    for s0 in range(0, n, block):
+        m = min(block, n - s0)
+        for k in range(w):
+            sizes = per_plane(k, m)
+            assert sum(sizes) == m
+            for r in sizes:
+                piece = stream[pos:pos + r]
+                pos += r
+                blob = zstandard.ZstdCompressor(level=1).compress(piece)
+                coded = len(blob) < r
+                blob = blob if coded else piece
+                while len(data) % 16:
+                    data.append(0)
+                rows_all.append((len(data), len(blob), r, fmt.checksum(blob), 0 if coded else fmt.FLAG_STORED_RAW))
+                data += blob
+    while len(data) % 16:
+        data.append(0)
+    rows = np.zeros(len(rows_all), fmt.ROW)
+    for k, r in enumerate(rows_all):
+        rows[k] = r
+    dt = str(words.dtype)
+    doc = {"format": "ckz", "version": [1, 0], "created_by": "test", "meta": {}, "n_chunks": len(rows),
+           "storages": [{"nbytes": words.nbytes, "elem": dt, "device": "cpu",
+                         "transforms": [{"id": "byteplane", "width": w, "block": block}], "codec": {"id": "zstd"},
+                         "rows": [0, len(rows)]}],
+           "root": {"t": "dict", "k": ["x"], "v": [{"t": "tensor", "s": 0, "dtype": dt, "shape": [n], "stride": [1],
+                                                  "offset": 0}]}}
+    manifest = fmt.pack_manifest(doc, rows)
+    with open(path, "wb") as f:
+        f.write(bytes(data) + manifest + fmt.pack_footer(len(data), manifest))
+
+
+def test_fused_pieces_cut_only_where_every_plane_starts_a_chunk(tmp_path, monkeypatch):
+    """A batch is cut between threads only where all its planes start a chunk, so no chunk is
+    decoded twice and a call's scratch covers its own words (planes in one 2 MiB frame each
+    beside a plane in 64 KiB chunks: one piece); the file loads bit-exact."""
+    from ckptzip import native
+    from ckptzip.codecs import cpu as ccpu
+    from ckptzip.engine import decode
+    lib = _fused_lib()
+    monkeypatch.setattr(decode, "FUSED_MIN", 1 << 10)
+    monkeypatch.setattr(ccpu, "PARALLEL_BYTES", 1 << 16)
+    monkeypatch.setattr(decode, "cpu_threads", lambda: 8)
+    rng = np.random.default_rng(3)
+    n = 1 << 21
+    words = (rng.standard_normal(n) * 0.02).astype(np.float32)
+    calls = []
+
+    class Spy:
+        def __getattr__(self, k):
+            f = getattr(lib, k)
+            return (lambda *a: calls.append((a[-2], a[-1])) or f(*a)) if k == "planes_fused" else f
+    monkeypatch.setattr(native, "lib", Spy())
+    cases = {"uneven": lambda k, m: [m] if k < 3 else [1 << 16] * (m >> 16),
+             "even": lambda k, m: [1 << 18] * (m >> 18)}
+    for name, per_plane in cases.items():
+        p = tmp_path / f"{name}.ckz"
+        _craft_planes(p, words, n, per_plane)
+        calls.clear()
+        back = ckptzip.load(p)["x"]
+        assert bytes(back.numpy().view(np.uint8)) == bytes(words.view(np.uint8))
+        if name == "uneven":
+            assert calls == [(0, n)]
+        else:
+            assert len(calls) > 1 and all(w0 % (1 << 18) == 0 for w0, _w1 in calls)
+
+
+def test_fused_skips_reference_words_wider_than_the_planes_words():
+    """An ``expgrid``/``expref`` storage under byteplane width 2 (valid, never written) is not
+    fused: a piece could start inside one of the reference transform's 4-byte words."""
+    from ckptzip.codecs.cpu import ZstdCPU
+    from ckptzip.engine.decode import Job, _fusable
+
+    class InPlace:
+        in_place, word = True, 4
+    out = torch.empty(16, dtype=torch.uint8)
+    assert not _fusable(Job(None, BytePlane(2, 4), ZstdCPU(), out, InPlace()))
+    assert _fusable(Job(None, BytePlane(4, 4), ZstdCPU(), out, InPlace())) == _fusable(Job(None, BytePlane(4, 4), ZstdCPU(), out))
+
+
+def test_fused_scratch_freed_when_its_thread_exits():
+    """The decoding context and scratch kept per thread go when the thread exits (a caller's
+    short-lived threads decode small batches inline): 40 threads, each decoding 4 MiB of zstd
+    planes, leave resident memory within 64 MiB of where it was."""
+    import threading
+    from ckptzip.engine.decode import _fused_table
+    lib = _fused_lib()
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("no /proc")
+    words, src, rows, soffs = _fused_case(9, 4, 1 << 20, 1 << 20, 1 << 20, 1.0)
+    t = _fused_table(rows, BytePlane(4, 1 << 20), 4 << 20)
+    t = [*t[:3], soffs, t[3]]
+    dst = np.empty(4 << 20, np.uint8)
+
+    def rss() -> int:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def one():
+        assert lib.planes_fused(src, dst, 4, *t, 0, 1 << 20) is None
+    one()
+    before = rss()
+    for _ in range(40):
+        th = threading.Thread(target=one)
+        th.start()
+        th.join()
+    assert rss() - before < 64 << 20
+    assert bytes(dst) == words.view(np.uint8).tobytes()

@@ -745,55 +745,58 @@ done:
  * the process): a call over one small storage otherwise spent more in ZSTD_createDCtx and in
  * the page faults of a new scratch buffer than in decoding. Scratch over SCRATCH_KEEP bytes is
  * not kept (the writer's layout needs one or two 1 MiB chunks per thread; a pool of 16 threads
- * then keeps 64 MiB at most after a load of other layouts). */
-#if defined(__GNUC__)
-#define THREAD_LOCAL __thread
-#else
-#define THREAD_LOCAL
-#define NO_THREAD_LOCAL 1
-#endif
+ * then keeps 64 MiB at most). Both are freed when their thread exits (a pthread key's
+ * destructor: a caller's own short-lived threads decode small batches inline). */
 #define SCRATCH_KEEP (4LL << 20)
-static THREAD_LOCAL ZSTD_DCtx *tl_dctx;
-static THREAD_LOCAL uint8_t *tl_scratch;
-static THREAD_LOCAL size_t tl_scratch_len;
+typedef struct { ZSTD_DCtx *dc; uint8_t *buf; size_t len; } tl_t;
+static pthread_key_t tl_key;
+static pthread_once_t tl_once = PTHREAD_ONCE_INIT;
+static int tl_ok;
 
-static ZSTD_DCtx *dctx_take(void) { /* NULL: out of memory */
-#ifdef NO_THREAD_LOCAL
-    return zs.create();
-#else
-    if (!tl_dctx) tl_dctx = zs.create();
-    return tl_dctx;
-#endif
+static void tl_free(void *p) {
+    tl_t *t = p;
+    if (!t) return;
+    if (t->dc) zs.free_(t->dc);
+    free(t->buf);
+    free(t);
 }
 
-static void dctx_give(ZSTD_DCtx *dc) {
-#ifdef NO_THREAD_LOCAL
-    if (dc) zs.free_(dc);
-#else
-    (void)dc;
-#endif
-}
+static void tl_init(void) { tl_ok = pthread_key_create(&tl_key, tl_free) == 0; }
 
-static uint8_t *scratch_take(size_t n) { /* NULL: out of memory */
-#ifndef NO_THREAD_LOCAL
-    if (n <= (size_t)SCRATCH_KEEP) {
-        if (tl_scratch_len < n) {
-            free(tl_scratch);
-            tl_scratch_len = 0;
-            if (!(tl_scratch = malloc(n))) return NULL;
-            tl_scratch_len = n;
-        }
-        return tl_scratch;
+static tl_t *tl_get(void) { /* NULL: nothing is kept (the caller allocates and frees) */
+    pthread_once(&tl_once, tl_init);
+    if (!tl_ok) return NULL;
+    tl_t *t = pthread_getspecific(tl_key);
+    if (!t && (t = calloc(1, sizeof *t)) && pthread_setspecific(tl_key, t)) {
+        free(t);
+        t = NULL;
     }
-#endif
-    return malloc(n ? n : 1);
+    return t;
 }
 
-static void scratch_give(uint8_t *p) {
-#ifndef NO_THREAD_LOCAL
-    if (p == tl_scratch) return;
-#endif
-    free(p);
+static ZSTD_DCtx *dctx_take(int *own) { /* NULL: out of memory */
+    tl_t *t = tl_get();
+    *own = !t;
+    if (!t) return zs.create();
+    if (!t->dc) t->dc = zs.create();
+    return t->dc;
+}
+
+static void dctx_give(ZSTD_DCtx *dc, int own) {
+    if (own && dc) zs.free_(dc);
+}
+
+static uint8_t *scratch_take(size_t n, int *own) { /* NULL: out of memory */
+    tl_t *t = n <= (size_t)SCRATCH_KEEP ? tl_get() : NULL;
+    *own = !t;
+    if (!t) return malloc(n ? n : 1);
+    if (t->len < n) {
+        free(t->buf);
+        t->len = 0;
+        if (!(t->buf = malloc(n))) return NULL;
+        t->len = n;
+    }
+    return t->buf;
 }
 
 /* planes_fused(src, dst, width, planes, words0, words, soffs, ssizes, w0, w1): words w0..w1 of
@@ -850,7 +853,7 @@ static PyObject *py_planes_fused(PyObject *self, PyObject *args) {
             goto done;
         }
         covered[k] += wn[i];
-        if (kind == 1) {
+        if (kind == 1 && ws[i] < w1 && ws[i] + wn[i] > w0) { /* (scratch for this call's words only) */
             coded = 1;
             if (wn[i] > most[k]) most[k] = wn[i];
         }
@@ -888,8 +891,9 @@ static PyObject *py_planes_fused(PyObject *self, PyObject *args) {
         Py_ssize_t cur[8], have[8];
         size_t need = 0;
         for (int k = 0; k < w; k++) need += (size_t)most[k];
-        ZSTD_DCtx *dc = coded ? dctx_take() : NULL;
-        if (coded) mem = scratch_take(need);
+        int own_dc = 0, own_mem = 0;
+        ZSTD_DCtx *dc = coded ? dctx_take(&own_dc) : NULL;
+        if (coded) mem = scratch_take(need, &own_mem);
         no_memory = coded && (!dc || !mem);
         for (int k = 0; k < w; k++) {
             have[k] = -1;
@@ -922,8 +926,8 @@ static PyObject *py_planes_fused(PyObject *self, PyObject *args) {
             dec_ptrs(pp, db + s * w, NULL, 0, w, 0, e - s);
             s = e;
         }
-        if (coded && scratch[0]) scratch_give(scratch[0]);
-        dctx_give(dc);
+        if (own_mem) free(scratch[0]);
+        dctx_give(dc, own_dc);
         Py_END_ALLOW_THREADS
         ret = chunks_result(no_memory, msg, bad);
     }

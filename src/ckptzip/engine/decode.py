@@ -31,8 +31,8 @@ from .plan import DEFAULT_WINDOW, codec_key
 
 #: decoded bytes per group on the CPU: small enough that reading and checksumming the next
 #: group overlaps decoding this one, large enough for few codec calls; at least CPU_GROUP_PER_THREAD
-#: per thread of the CPU pool (a fused batch is cut between threads at its exponent plane's
-#: chunks, 4 MiB of words each for the writer's 1 MiB chunks: a 16 MiB group kept 16 cores to 4)
+#: per thread of the CPU pool (a fused batch is cut between threads where all its planes' chunks
+#: start, 4 MiB of words each for the writer's 1 MiB chunks: a 16 MiB group kept 16 cores to 4)
 CPU_GROUP = 16 << 20
 CPU_GROUP_PER_THREAD = 4 << 20
 #: CPU groups of local files read their raw chunks straight into the decode stream
@@ -491,7 +491,8 @@ def _fusable(job: Job) -> bool:
     aside), and no reference transform or one undone in place word by word (``expgrid``,
     ``expref``: applied to each piece right after its words are assembled)."""
     tf = job.tf
-    return (FUSED and type(tf) is BytePlane and tf.rotate is None and (job.ref is None or job.ref.in_place)
+    return (FUSED and type(tf) is BytePlane and tf.rotate is None
+            and (job.ref is None or job.ref.in_place and tf.width % job.ref.word == 0)  # (pieces: whole ref words)
             and type(job.codec) is ccpu.ZstdCPU and job.out.device.type == "cpu"
             and native.lib is not None and bool(native.lib.zstd_version()))
 
@@ -552,7 +553,7 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan) -> None
     from its stored planes, read where they lie, and its zstd planes, each frame decoded into a
     chunk-sized scratch just before (``planes_fused``). The two-step path wrote every byte into
     the group stream first and read it back. Large batches are cut between the CPU pool's
-    threads at exponent-plane chunk starts."""
+    threads where every plane has a chunk start (no chunk is decoded by two pieces)."""
     threads = cpu_threads()
     total = sum(b - a for _job, a, b, _r0, _t in plan.items)
     share = max(ccpu.PARALLEL_BYTES // 2, -(-total // threads))
@@ -564,7 +565,9 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan) -> None
         if b - a <= share:
             work.append((it, 0, nw, b - a))
             continue
-        starts = t[1][t[0] % 256 == w - 1]  # where the exponent plane's chunks start
+        starts = t[1][t[0] % 256 == 0]  # where every plane's chunks start
+        for p in range(1, w):
+            starts = np.intersect1d(starts, t[1][t[0] % 256 == p], assume_unique=True)
         want = np.arange(1, -(-(b - a) // share)) * (share // w)
         cuts = np.unique(starts[np.clip(np.searchsorted(starts, want), 0, len(starts) - 1)])
         edges = [0, *[int(x) for x in cuts if 0 < x < nw], nw]
