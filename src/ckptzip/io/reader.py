@@ -134,18 +134,18 @@ def read_split(fd: int, batch: np.ndarray, stream: np.ndarray, roffs: np.ndarray
     (:func:`~ckptzip.storage.pread_ranges`)."""
     stored = batch["stored"].astype(np.int64)
     fo = batch["offset"].astype(np.int64)
-    raw = batch["flags"] == FLAG_STORED_RAW if to_stream is None else to_stream
-    coded = ~raw
+    direct = batch["flags"] == FLAG_STORED_RAW if to_stream is None else to_stream
+    coded = ~direct
     padded = np.where(coded, ceil_align(stored), 0)
     soffs = np.cumsum(padded) - padded
     buf = HOST.take(int(padded.sum()))
     b = buf.numpy()
     roffs = np.asarray(roffs, dtype=np.int64)
-    pread_ranges(fd, stream, fo[raw], roffs[raw], stored[raw])
+    pread_ranges(fd, stream, fo[direct], roffs[direct], stored[direct])
     pread_ranges(fd, b, fo[coded], soffs[coded], stored[coded])
     sums = np.zeros(len(batch), dtype=np.uint64)
-    if raw.any():
-        sums[raw] = np.array(checksums(stream, roffs[raw], stored[raw]), dtype=np.uint64)
+    if direct.any():
+        sums[direct] = np.array(checksums(stream, roffs[direct], stored[direct]), dtype=np.uint64)
     if coded.any():
         sums[coded] = np.array(checksums(b, soffs[coded], stored[coded]), dtype=np.uint64)
     if len(batch):
