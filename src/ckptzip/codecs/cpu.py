@@ -195,6 +195,12 @@ def _native_runs(call: Callable, cols: list, sizes: np.ndarray) -> None:
             raise CodecError(f"zstd: chunk {r.start + max(e[0], 0)} {e[1]}")
 
 
+def native_zstd() -> bool:
+    """Whether zstd frames are decoded by the system's libzstd through the C extension (else by
+    python-zstandard)."""
+    return native.lib is not None and bool(native.lib.zstd_version())
+
+
 #: False: byte planes through python-zstandard with PLANE_PARAMS (tests compare both)
 FAST_PLANES = True
 #: below this many bytes per call, chunks are (de)compressed on the calling thread
@@ -262,7 +268,7 @@ class ZstdCPU(_ByteCodec):
         return _concat([res[i] for i in range(len(res))])
 
     def decode(self, src, src_offsets, src_sizes, dst, dst_offsets, dst_sizes):
-        if native.lib is not None and native.lib.zstd_version() and len(dst_sizes):
+        if native_zstd() and len(dst_sizes):
             return self._decode_native(src, src_offsets, src_sizes, dst, dst_offsets, dst_sizes)
         threads = self._multi(dst_sizes)
         if not threads:

@@ -376,10 +376,8 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     if pre is None:
         pre = group_stream(rows, grp, work)
     direct, starts, stream, roffs, filled = pre
-    is_raw = rows["flags"] == FLAG_STORED_RAW
-    if plan is not None:  # (what is left: the group's other batches)
-        left = ~plan.rows
-        is_raw &= left
+    left = ~plan.rows if plan is not None else np.ones(len(rows), dtype=bool)  # (the other batches' rows)
+    is_raw = (rows["flags"] == FLAG_STORED_RAW) & left
     if filled:
         pass
     elif work == "cpu":  # numpy: torch's intra-op threads stall on oversubscribed cores
@@ -390,7 +388,7 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     job_key = [keys.setdefault(codec_key(job.codec), (len(keys), job.codec))[0] for job, *_ in grp]
     if len(keys) > 1:
         key_of_row = np.repeat(np.asarray(job_key, dtype=np.int64), [j - i for _job, i, j, _a, _b in grp])
-    coded = ~is_raw if plan is None else ~is_raw & left
+    coded = ~is_raw & left
     for k, codec in keys.values():
         ks = np.nonzero(coded if len(keys) == 1 else coded & (key_of_row == k))[0]
         if len(ks):
@@ -403,11 +401,9 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     if work == "cpu":
         outs = {job.out.device for job, *_ in grp}
         if all(d.type == "cpu" for d in outs):
-            if plan is not None:
-                todo = [(b, pos) for b, pos, f in zip(grp, starts.tolist(), plan.batches) if not f]
-                _cpu_untransform(stream, [b for b, _pos in todo], [pos for _b, pos in todo])
-            else:
-                _cpu_untransform(stream, grp, starts.tolist())
+            done = plan.batches if plan is not None else [False] * len(grp)
+            todo = [(b, pos) for b, pos, f in zip(grp, starts.tolist(), done) if not f]
+            _cpu_untransform(stream, [b for b, _pos in todo], [pos for _b, pos in todo])
             return
         if len(outs) == 1:  # chunks decoded on the host for one GPU: transforms undone there
             stream, work = stream.to(grp[0][0].out.device, non_blocking=True), "cuda"
@@ -493,8 +489,7 @@ def _fusable(job: Job) -> bool:
     tf = job.tf
     return (FUSED and type(tf) is BytePlane and tf.rotate is None
             and (job.ref is None or job.ref.in_place and tf.width % job.ref.word == 0)  # (pieces: whole ref words)
-            and type(job.codec) is ccpu.ZstdCPU and job.out.device.type == "cpu"
-            and native.lib is not None and bool(native.lib.zstd_version()))
+            and type(job.codec) is ccpu.ZstdCPU and job.out.device.type == "cpu" and ccpu.native_zstd())
 
 
 def _fused_batch(job: Job, a: int, b: int) -> bool:

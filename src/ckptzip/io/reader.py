@@ -9,7 +9,7 @@ import torch
 
 from ..engine.memory import ALIGN, HOST, PINNED, ceil_align
 from ..errors import ChecksumError
-from ..format import FLAG_STORED_RAW, FOOTER_SIZE, HEADER_SIZE, check_header, checksum, parse_footer
+from ..format import FOOTER_SIZE, HEADER_SIZE, check_header, checksum, parse_footer
 from ..kernels import HASH_MIN
 from .. import native
 from ..storage import READ_THREADS, pread_exact, pread_into, pread_ranges, read_pool, run_all, will_need
@@ -124,30 +124,28 @@ _PARALLEL_MIN = 8 << 20
 
 
 def read_split(fd: int, batch: np.ndarray, stream: np.ndarray, roffs: np.ndarray,
-               to_stream: np.ndarray | None = None) -> tuple[torch.Tensor, list[int]]:
-    """A CPU decode group's chunks read with its stream laid out already: chunks stored raw
-    straight into their places ``roffs`` in ``stream`` (no copy afterwards), the others into a
-    host buffer for their codec. ``to_stream``: a mask of the chunks that go to the stream (by
-    default every raw chunk; the decoder reads some raw chunks where they lie in the buffer).
+               to_stream: np.ndarray) -> tuple[torch.Tensor, list[int]]:
+    """A CPU decode group's chunks read with its stream laid out already: the chunks
+    ``to_stream`` marks (stored raw, and not decoded where they lie in the buffer) straight into
+    their places ``roffs`` in ``stream`` (no copy afterwards), the others into a host buffer.
     Every checksum is verified before anything is decoded. Returns the buffer and each chunk's
     offset in it (0 for those in the stream). Local files, C extension only
     (:func:`~ckptzip.storage.pread_ranges`)."""
     stored = batch["stored"].astype(np.int64)
     fo = batch["offset"].astype(np.int64)
-    direct = batch["flags"] == FLAG_STORED_RAW if to_stream is None else to_stream
-    coded = ~direct
-    padded = np.where(coded, ceil_align(stored), 0)
+    buffered = ~to_stream
+    padded = np.where(buffered, ceil_align(stored), 0)
     soffs = np.cumsum(padded) - padded
     buf = HOST.take(int(padded.sum()))
     b = buf.numpy()
     roffs = np.asarray(roffs, dtype=np.int64)
-    pread_ranges(fd, stream, fo[direct], roffs[direct], stored[direct])
-    pread_ranges(fd, b, fo[coded], soffs[coded], stored[coded])
+    pread_ranges(fd, stream, fo[to_stream], roffs[to_stream], stored[to_stream])
+    pread_ranges(fd, b, fo[buffered], soffs[buffered], stored[buffered])
     sums = np.zeros(len(batch), dtype=np.uint64)
-    if direct.any():
-        sums[direct] = np.array(checksums(stream, roffs[direct], stored[direct]), dtype=np.uint64)
-    if coded.any():
-        sums[coded] = np.array(checksums(b, soffs[coded], stored[coded]), dtype=np.uint64)
+    if to_stream.any():
+        sums[to_stream] = np.array(checksums(stream, roffs[to_stream], stored[to_stream]), dtype=np.uint64)
+    if buffered.any():
+        sums[buffered] = np.array(checksums(b, soffs[buffered], stored[buffered]), dtype=np.uint64)
     if len(batch):
         will_need(fd, int(fo[-1] + stored[-1]))
     _verify(batch, np.arange(len(batch)), sums)
