@@ -759,3 +759,33 @@ def test_fused_scratch_freed_when_its_thread_exits():
         th.join()
     assert rss() - before < 64 << 20
     assert bytes(dst) == words.view(np.uint8).tobytes()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([2, 4, 8]), st.integers(1, 400), st.integers(1, 120), st.integers(1, 90),
+                          st.booleans()), min_size=1, max_size=6), st.integers(0, 2**32 - 1))
+def test_fused_tables_of_many_batches_equal_one_by_one(batches, seed):
+    """The tables of a group's batches, built in one numpy pass, are each batch's own table; a
+    batch whose chunks span planes is refused alone, its neighbours keep theirs."""
+    from ckptzip.engine.decode import _fused_table, _fused_tables
+    from ckptzip.format import ROW
+    parts, alone, meta = [], [], []
+    for k, (width, nwords, block, chunk, across) in enumerate(batches):
+        _w, _s, rows, _o = _fused_case(seed + k, width, nwords, block, chunk, 0.5)
+        if across and len(rows) > 1:  # two chunks merged: spans planes where they are in two
+            merged = np.zeros(len(rows) - 1, ROW)
+            merged[:] = rows[1:]
+            merged["raw"][0] += rows["raw"][0]
+            rows = merged
+        parts.append(rows)
+        alone.append(_fused_table(rows, BytePlane(width, block), nwords * width))
+        meta.append((len(rows), width, block, nwords * width))
+    counts, widths, blocks, nbytes = (np.asarray(c, dtype=np.int64) for c in zip(*meta))
+    cols, ok = _fused_tables(np.concatenate(parts), counts, widths, blocks, nbytes)
+    at = 0
+    for rows, one, good in zip(parts, alone, ok.tolist()):
+        assert good == (one is not None)
+        if good:
+            for a, b in zip(one, cols):
+                assert np.array_equal(a, b[at:at + len(rows)])
+        at += len(rows)
