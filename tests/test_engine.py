@@ -368,6 +368,36 @@ def test_cpu_groups_read_raw_chunks_into_place(tmp_path, monkeypatch, split, fus
             ckptzip.load(q)
 
 
+@pytest.mark.parametrize("small", [64 << 10, -1])
+def test_small_byteplane_batches_load_bit_exact(tmp_path, monkeypatch, small):
+    """Many small float storages of every byteplane width (a model's norms, biases and
+    counters), mixed with a large one and with ones that carry a reference transform, load
+    bit-exact on the CPU whether their planes are undone in the decoding thread's one loop
+    (``SMALL_INVERSE``) or on the general path; a damaged small storage's chunk is a
+    ChecksumError."""
+    from conftest import read_parts, write_parts
+    from ckptzip.engine import decode
+    monkeypatch.setattr(decode, "SMALL_INVERSE", small)
+    g = torch.Generator().manual_seed(3)
+    st = {f"t{i}": torch.randn(17 * (i + 1), generator=g).to(dt)
+          for i, dt in enumerate([torch.float32, torch.bfloat16, torch.float64, torch.float16] * 12)}
+    st["big"] = torch.randn(300_000, generator=g)
+    st["step"] = torch.tensor(7.0)
+    p = tmp_path / "s.ckz"
+    ckptzip.save(st, p, device="cpu")
+    back = ckptzip.load(p)
+    assert back.keys() == st.keys()
+    for k, v in st.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
+    data, doc, rows = read_parts(p)
+    first = doc["storages"][0]["rows"][0]
+    off = int(rows[first]["offset"]) + 3
+    q = tmp_path / "bad.ckz"
+    write_parts(q, data[:off] + bytes([data[off] ^ 0x01]) + data[off + 1:], doc, rows)
+    with pytest.raises(ckptzip.ChecksumError):
+        ckptzip.load(q)
+
+
 def test_streamed_save_plans_while_writing(tmp_path, monkeypatch):
     """A streamed save (GPU saves to local files; here on the CPU) plans its storages a window
     at a time as the writer asks for their groups: every batch is planned after the previous

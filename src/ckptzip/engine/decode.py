@@ -46,6 +46,12 @@ FUSED = True
 #: the pass they save (2-core loads from memory, medians of 11 interleaved rounds: 200 tensors
 #: of 200 KB 81 -> 65 ms fused from 32 KiB on; 800 of 52 KB no faster)
 FUSED_MIN = 64 << 10
+#: CPU batches of byte planes alone (no reference transform, whole-word rotation) up to this
+#: size are undone in one loop on the decoding thread, each by one call of the C extension: the
+#: general path (tensor slices, checks, the pool's runs) cost about 35 us per batch, more than
+#: the work for the norms, biases and counters of a model state (151 of the 208 storages of
+#: bench/cpu_bench.py's state are under 64 KiB, 0.4 % of its bytes)
+SMALL_INVERSE = 64 << 10
 #: read buffers (decode groups) in flight: the caller holds up to two (one decoding on the
 #: GPU), the reader fills the others ahead of it
 READ_AHEAD = 4
@@ -641,7 +647,21 @@ def _cpu_untransform(stream: torch.Tensor, grp: list, starts: list[int]) -> None
     """Undo the transforms of a CPU group (batch k at ``starts[k]`` of ``stream``) into the CPU
     destinations, storages spread over the CPU pool's threads (numpy releases the GIL). A
     reference transform is undone last, from a scratch buffer it may overwrite (``stream`` is
-    scratch whenever a group has one)."""
+    scratch whenever a group has one). Small batches of byte planes alone are undone first, in
+    one loop on this thread (:data:`SMALL_INVERSE`)."""
+    if native.lib is not None:
+        small = [k for k, (job, _i, _j, a, b) in enumerate(grp)
+                 if b - a <= SMALL_INVERSE and job.ref is None and type(job.tf) is BytePlane and job.tf.rotate is None]
+        if small:
+            s, dec = stream.numpy(), native.lib.decode
+            for k in small:
+                job, _i, _j, a, b = grp[k]
+                w, pos = job.tf.width, starts[k]
+                dec(s[pos:pos + (b - a)], job.out.numpy()[a:b], w, job.tf.block, 0, (b - a) // w)
+            if len(small) == len(grp):
+                return
+            keep = sorted(set(range(len(grp))) - set(small))
+            grp, starts = [grp[k] for k in keep], [starts[k] for k in keep]
     tasks = [(job.tf, job.ref, stream[pos:pos + (b - a)], job.dst(a, b), a, b)
              for (job, _i, _j, a, b), pos in zip(grp, starts)]
 
