@@ -336,18 +336,21 @@ def test_host_scratch_evicts_free_buffers_when_full():
 
 
 
-@pytest.mark.parametrize("split,fused", [(True, False), (False, False), (True, True), (False, True)])
-def test_cpu_groups_read_raw_chunks_into_place(tmp_path, monkeypatch, split, fused):
+@pytest.mark.parametrize("split,fused,pieces", [(True, False, True), (False, False, True), (True, True, True),
+                                                (False, True, True), (True, True, False), (False, True, False)])
+def test_cpu_groups_read_raw_chunks_into_place(tmp_path, monkeypatch, split, fused, pieces):
     """CPU loads of local files read raw chunks straight into the decode stream (or the
     destination) and the coded ones into a buffer (io.reader.read_split); with the switch off,
     all into the buffer and copied. Byte-plane batches of zstd and stored chunks are decoded in
-    one pass from the read buffer (``FUSED``), or in two steps through the stream. Either way
-    the state is bit-exact, and a damaged raw or coded chunk is a ChecksumError."""
+    one pass from the read buffer (``FUSED``), or in two steps through the stream; their chunks'
+    checksums are verified by the decoding threads (``VERIFY_IN_PIECES``) or by the reader.
+    Either way the state is bit-exact, and a damaged raw or coded chunk is a ChecksumError."""
     from conftest import read_parts, write_parts
     from ckptzip.engine import decode
     from ckptzip.format import FLAG_STORED_RAW
     monkeypatch.setattr(decode, "SPLIT_READS", split)
     monkeypatch.setattr(decode, "FUSED", fused)
+    monkeypatch.setattr(decode, "VERIFY_IN_PIECES", pieces)
     g = torch.Generator().manual_seed(1)
     st = {"w": torch.randn(3 << 20, generator=g), "noise": torch.randint(0, 255, (5 << 20,), dtype=torch.uint8, generator=g),
           "h": torch.randn(1 << 20, generator=g).half(), "n": 3}
@@ -747,6 +750,20 @@ def test_fused_pieces_cut_only_where_every_plane_starts_a_chunk(tmp_path, monkey
             assert calls == [(0, n)]
         else:
             assert len(calls) > 1 and all(w0 % (1 << 18) == 0 for w0, _w1 in calls)
+    # a damaged chunk in a later piece (its checksum is verified by the thread that decodes the
+    # piece, just before): ChecksumError, and that piece is never handed to planes_fused
+    from conftest import read_parts, write_parts
+    for pieces in (True, False):
+        monkeypatch.setattr(decode, "VERIFY_IN_PIECES", pieces)
+        data, doc, rows = read_parts(p)
+        k = len(rows) - 2  # plane 3's next-to-last chunk: words 1.5-1.75 Mi
+        off = int(rows[k]["offset"]) + int(rows[k]["stored"]) // 2
+        q = tmp_path / f"bad{pieces}.ckz"
+        write_parts(q, data[:off] + bytes([data[off] ^ 0x40]) + data[off + 1:], doc, rows)
+        calls.clear()
+        with pytest.raises(ckptzip.ChecksumError):
+            ckptzip.load(q)
+        assert not any(w0 <= 3 << 19 < w1 for w0, w1 in calls)
 
 
 def test_fused_skips_reference_words_wider_than_the_planes_words():

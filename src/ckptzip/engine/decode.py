@@ -20,7 +20,7 @@ from ..codecs.cpu import cpu_threads, pmap, pmap_sized, runs
 from ..codecs.gpu import release_scratch
 from ..errors import ChecksumError, CodecError, CorruptFileError
 from ..format import FLAG_STORED_RAW
-from ..io.reader import read_split, read_stored
+from ..io.reader import read_split, read_stored, verify
 from ..storage import split_ranges
 from ..kernels import PARTIAL, PARTIAL16, enabled, launch, triton_kernels
 from ..transforms import RefTransform, Transform, get_transform
@@ -42,6 +42,10 @@ SPLIT_READS = True
 #: fused with the byteplane inverse, :func:`_decode_fused`); False: the codec into the group
 #: stream, then the inverse into the destination (tests cover both)
 FUSED = True
+#: the chunks of fused batches are verified by the decoding threads, each piece's just before
+#: its decode (in parallel and while the next group is read); False: by the reader thread, with
+#: the group's other chunks (tests cover both)
+VERIFY_IN_PIECES = True
 #: smaller batches take the two-step path: their table and call cost about 40 us, as much as
 #: the pass they save (2-core loads from memory, medians of 11 interleaved rounds: 200 tensors
 #: of 200 KB 81 -> 65 ms fused from 32 KiB on; 800 of 52 KB no faster)
@@ -226,16 +230,19 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                 pre = None
                 cpu = grp[0][0].codec.device == "cpu" and all(job.out.device.type == "cpu" for job, *_ in grp)
                 plan = _fused_plan(rows, grp) if cpu else None
+                # (the fused batches' chunks are verified by the decoding threads, each piece's
+                # just before it is decoded: in parallel, not all on this thread before any decode)
+                defer = plan.rows if plan is not None and VERIFY_IN_PIECES else None
                 to_stream = rows["flags"] == FLAG_STORED_RAW
                 if plan is not None:  # (the fused batches' stored planes are read into the buffer)
                     to_stream &= ~plan.rows
                 if SPLIT_READS and native.lib is not None and isinstance(src, int) and cpu and bool(to_stream.any()):
                     # CPU group: raw chunks read straight into the stream
                     pre = group_stream(rows, grp, "cpu", filled=True)
-                    host, soffs = read_split(src, rows, pre.stream.numpy(), pre.roffs, to_stream)
+                    host, soffs = read_split(src, rows, pre.stream.numpy(), pre.roffs, to_stream, defer)
                     later = None
                 else:
-                    host, soffs, later = read_stored(src, rows, pinned=gpu, gpu_hash=gpu_hash)
+                    host, soffs, later = read_stored(src, rows, pinned=gpu, gpu_hash=gpu_hash, defer=defer)
                 q.put((slot, host, soffs, rows, later, (pre, plan), None))
         except BaseException as e:  # re-raised by the consumer
             q.put((None, None, None, None, None, (None, None), e))
@@ -376,7 +383,7 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     raws = rows["raw"].astype(np.int64)
     soffs = np.asarray(soffs, dtype=np.int64)
     if plan is not None:
-        _decode_fused(src, soffs, plan)
+        _decode_fused(src, soffs, plan, rows if VERIFY_IN_PIECES else None)
         if all(plan.batches):
             return
     if pre is None:
@@ -578,13 +585,16 @@ def _fused_plan(rows: np.ndarray, grp: list) -> FusedPlan | None:
     return FusedPlan(mask, flags, items) if items else None
 
 
-def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan) -> None:
+def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, verify_rows: np.ndarray | None = None
+                  ) -> None:
     """Decode the batches of ``plan`` straight from the read buffer ``src`` (chunk ``i`` of the
     group at ``soffs[i]``) into their destinations: each batch's words are assembled in one pass
     from its stored planes, read where they lie, and its zstd planes, each frame decoded into a
     chunk-sized scratch just before (``planes_fused``). The two-step path wrote every byte into
     the group stream first and read it back. Large batches are cut between the CPU pool's
-    threads where every plane has a chunk start (no chunk is decoded by two pieces)."""
+    threads where every plane has a chunk start (no chunk is decoded by two pieces).
+    ``verify_rows`` (the group's chunk-table rows): the reader left these batches' checksums to
+    this function; each piece's chunks are verified by its thread just before it decodes them."""
     threads = cpu_threads()
     total = sum(b - a for _job, a, b, _r0, _t in plan.items)
     share = max(ccpu.PARALLEL_BYTES // 2, -(-total // threads))
@@ -608,6 +618,9 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan) -> None
     def one(k: int) -> None:
         (job, a, b, r0, t), w0, w1, _n = work[k]
         so = np.ascontiguousarray(soffs[r0:r0 + len(t[0])])
+        if verify_rows is not None:  # (this piece's chunks: those whose words start in w0..w1)
+            mine = np.nonzero((t[1] >= w0) & (t[1] < w1))[0] if w0 or w1 < (b - a) // job.tf.width else slice(None)
+            verify(s, so[mine], verify_rows[r0:r0 + len(t[0])][mine])
         try:
             err = native.lib.planes_fused(s, job.out.numpy()[a:b], job.tf.width, t[0], t[1], t[2], so, t[3], w0, w1)
         except ValueError as e:  # (the table is built from a validated manifest)

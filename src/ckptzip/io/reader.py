@@ -33,13 +33,15 @@ def read_manifest(src, size: int) -> tuple[bytearray, int, int]:
     return raw, off, digest
 
 
-def read_stored(fd: int, batch: np.ndarray, pinned: bool = False, gpu_hash: bool = False
-                ) -> tuple[torch.Tensor, list[int], np.ndarray | None]:
+def read_stored(fd: int, batch: np.ndarray, pinned: bool = False, gpu_hash: bool = False,
+                defer: np.ndarray | None = None) -> tuple[torch.Tensor, list[int], np.ndarray | None]:
     """Read a batch's stored chunks into one host buffer and verify their checksums. Returns the
     buffer (leased from :data:`PINNED` when ``pinned``: the caller releases it; released here
     on an error) and each chunk's offset in it (16-byte aligned when the file's chunks are).
     Third: None, or with ``gpu_hash`` the indices of the chunks not verified here (more than 240
-    bytes at 8-byte aligned offsets), for the caller to verify on the GPU."""
+    bytes at 8-byte aligned offsets), for the caller to verify on the GPU. ``defer``: a mask of
+    chunks not verified here either; the caller verifies them (:func:`verify`) before it decodes
+    them."""
     stored = batch["stored"].astype(np.int64)
     fo = batch["offset"].astype(np.int64)
     n = len(batch)
@@ -55,7 +57,7 @@ def read_stored(fd: int, batch: np.ndarray, pinned: bool = False, gpu_hash: bool
     buf = PINNED.acquire(total) if pinned else HOST.take(total)
     later = np.nonzero((stored >= HASH_MIN) & (offs % 8 == 0))[0] if gpu_hash else None
     try:
-        return buf, _read_into(fd, batch, buf, fo, offs, stored, in_order and total == span, later), later
+        return buf, _read_into(fd, batch, buf, fo, offs, stored, in_order and total == span, later, defer), later
     except BaseException:
         if pinned:
             PINNED.release(buf)
@@ -63,13 +65,16 @@ def read_stored(fd: int, batch: np.ndarray, pinned: bool = False, gpu_hash: bool
 
 
 def _read_into(fd, batch: np.ndarray, buf: torch.Tensor, fo: np.ndarray, offs: np.ndarray,
-               stored: np.ndarray, one_read: bool, later: np.ndarray | None = None) -> list[int]:
+               stored: np.ndarray, one_read: bool, later: np.ndarray | None = None,
+               defer: np.ndarray | None = None) -> list[int]:
     n = len(batch)
     b = buf.numpy()
     total = int(stored.sum())
     host = np.ones(n, dtype=bool)  # chunks verified here (the others: on the GPU, by the caller)
     if later is not None:
         host[later] = False
+    if defer is not None:
+        host &= ~defer
     # (per chunk, Python lists and memoryview slices: numpy scalars cost several times more,
     # which counts for files of 16 KiB chunks)
     mv, ol, sl, hl = memoryview(b), offs.tolist(), stored.tolist(), host.tolist()
@@ -111,6 +116,15 @@ def _read_into(fd, batch: np.ndarray, buf: torch.Tensor, fo: np.ndarray, offs: n
     return ol
 
 
+def verify(buf: np.ndarray, offs: np.ndarray, batch: np.ndarray) -> None:
+    """ChecksumError for the first chunk of ``batch`` (chunk-table rows) whose bytes at ``offs``
+    in ``buf`` fail their XXH3 (the chunks a read left to its caller: ``defer``)."""
+    mv = memoryview(buf)
+    got = np.fromiter((checksum(mv[o:o + n]) for o, n in zip(np.asarray(offs).tolist(), batch["stored"].tolist())),
+                      dtype=np.uint64, count=len(batch))
+    _verify(batch, np.arange(len(batch)), got)
+
+
 def _verify(batch: np.ndarray, ks: np.ndarray, got: np.ndarray) -> None:
     """ChecksumError for the first of the chunks ``ks`` whose XXH3 ``got`` (uint64) is not the
     chunk table's."""
@@ -124,12 +138,13 @@ _PARALLEL_MIN = 8 << 20
 
 
 def read_split(fd: int, batch: np.ndarray, stream: np.ndarray, roffs: np.ndarray,
-               to_stream: np.ndarray) -> tuple[torch.Tensor, list[int]]:
+               to_stream: np.ndarray, defer: np.ndarray | None = None) -> tuple[torch.Tensor, list[int]]:
     """A CPU decode group's chunks read with its stream laid out already: the chunks
     ``to_stream`` marks (stored raw, and not decoded where they lie in the buffer) straight into
     their places ``roffs`` in ``stream`` (no copy afterwards), the others into a host buffer.
-    Every checksum is verified before anything is decoded. Returns the buffer and each chunk's
-    offset in it (0 for those in the stream). Local files, C extension only
+    Every checksum is verified before anything is decoded, here or, for the buffered chunks
+    ``defer`` marks, by the caller (:func:`verify`). Returns the buffer and each chunk's offset
+    in it (0 for those in the stream). Local files, C extension only
     (:func:`~ckptzip.storage.pread_ranges`)."""
     stored = batch["stored"].astype(np.int64)
     fo = batch["offset"].astype(np.int64)
@@ -141,14 +156,16 @@ def read_split(fd: int, batch: np.ndarray, stream: np.ndarray, roffs: np.ndarray
     roffs = np.asarray(roffs, dtype=np.int64)
     pread_ranges(fd, stream, fo[to_stream], roffs[to_stream], stored[to_stream])
     pread_ranges(fd, b, fo[buffered], soffs[buffered], stored[buffered])
+    here = buffered if defer is None else buffered & ~defer
     sums = np.zeros(len(batch), dtype=np.uint64)
     if to_stream.any():
         sums[to_stream] = np.array(checksums(stream, roffs[to_stream], stored[to_stream]), dtype=np.uint64)
-    if buffered.any():
-        sums[buffered] = np.array(checksums(b, soffs[buffered], stored[buffered]), dtype=np.uint64)
+    if here.any():
+        sums[here] = np.array(checksums(b, soffs[here], stored[here]), dtype=np.uint64)
     if len(batch):
         will_need(fd, int(fo[-1] + stored[-1]))
-    _verify(batch, np.arange(len(batch)), sums)
+    ks = np.nonzero(to_stream | here)[0]
+    _verify(batch, ks, sums[ks])
     return buf, soffs.tolist()
 
 
