@@ -376,8 +376,9 @@ def test_small_byteplane_batches_load_bit_exact(tmp_path, monkeypatch, small):
     """Many small float storages of every byteplane width (a model's norms, biases and
     counters), mixed with a large one and with ones that carry a reference transform, load
     bit-exact on the CPU whether their planes are undone in the decoding thread's one loop
-    (``SMALL_INVERSE``) or on the general path; a damaged small storage's chunk is a
-    ChecksumError."""
+    (``SMALL_INVERSE``) or on the general path, and their planes are written alike by the
+    encoder's loop for small units (``SMALL_PLANES``) and its general path; a damaged small
+    storage's chunk is a ChecksumError."""
     from conftest import read_parts, write_parts
     from ckptzip.engine import decode
     monkeypatch.setattr(decode, "SMALL_INVERSE", small)
@@ -388,6 +389,10 @@ def test_small_byteplane_batches_load_bit_exact(tmp_path, monkeypatch, small):
     st["step"] = torch.tensor(7.0)
     p = tmp_path / "s.ckz"
     ckptzip.save(st, p, device="cpu")
+    from ckptzip.engine import encode
+    monkeypatch.setattr(encode, "SMALL_PLANES", -1)  # the general path writes the same bytes
+    ckptzip.save(st, tmp_path / "general.ckz", device="cpu")
+    assert (tmp_path / "general.ckz").read_bytes() == p.read_bytes()
     back = ckptzip.load(p)
     assert back.keys() == st.keys()
     for k, v in st.items():

@@ -8,15 +8,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import native
 from ..codecs.base import Codec
 from ..codecs.cpu import pmap_sized
 from ..format import FLAG_STORED_RAW, ROW
 from ..kernels import enabled, launch, triton_kernels
 from ..transforms import Transform
+from ..transforms.byteplane import BytePlane
 from ..transforms.refs import fused_planes, multi_segment
 from .memory import HOST, PINNED, ceil_align, copy_segments
 from .plan import Unit, codec_key
 
+#: CPU units of byte planes alone (whole-word rotation) up to this size are transformed in one
+#: loop on the encoding thread, one C call each: the general path (checks, the pool's runs) cost
+#: about 30 us per unit, more than the work for a model's norms, biases and counters
+SMALL_PLANES = 64 << 10
 #: host tensors are moved to the GPU and transformed in slices of this size (whole transform
 #: blocks), so staging needs no window-sized GPU buffer
 STAGE_SLICE = 32 << 20
@@ -135,6 +141,14 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
                 np.copyto(d.numpy(), s.numpy())
         else:
             torch._foreach_copy_(*copies)
+    if cpu_tf and native.lib is not None:  # small units of byte planes alone: one C call each, here
+        is_small = [t[1].numel() <= SMALL_PLANES and type(t[0]) is BytePlane and t[0].rotate is None for t in cpu_tf]
+        if any(is_small):
+            enc = native.lib.encode
+            for (tf, src, out), sm in zip(cpu_tf, is_small):
+                if sm:
+                    enc(src.numpy(), out.numpy(), tf.width, tf.block, 0, src.numel() // tf.width)
+            cpu_tf = [t for t, sm in zip(cpu_tf, is_small) if not sm]
     if cpu_tf:
         pmap_sized(lambda i: cpu_tf[i][0].encode(cpu_tf[i][1], out=cpu_tf[i][2]), [t[1].numel() for t in cpu_tf])
     # chunk bookkeeping in whole-group numpy passes (a few numpy calls per unit cost 10-20 us
