@@ -600,3 +600,24 @@ def test_expgrid_and_expref_fused_cpu_decode(tmp_path, monkeypatch, fused):
     assert_same(ckptzip.load(p), st_)
     if fused:
         assert any(w0 > 0 for w0, _w1 in calls)  # a batch cut into pieces
+
+
+def test_exponent_entropy_native_equals_numpy():
+    """The CPU planner's exponent entropy (``refplan._exp_bits``) is the same through the C
+    extension's plane_entropy as through numpy, for any words."""
+    import numpy as np
+    from ckptzip import native
+    from ckptzip.engine import refplan
+    if native.lib is None:
+        pytest.skip("the C extension is not built")
+    rng = np.random.default_rng(5)
+    for words in (rng.integers(0, 2**32, 5000, dtype=np.uint64).astype(np.uint32),
+                  (rng.standard_normal(16384) * 1e-3).astype(np.float32).view(np.uint32),
+                  np.zeros(7, np.uint32), np.full(100, 0x7F800000, np.uint32)):
+        got = refplan._exp_bits(words)
+        lib, native.lib = native.lib, None
+        try:
+            want = refplan._exp_bits(words)
+        finally:
+            native.lib = lib
+        assert abs(got - want) < 1e-9
