@@ -371,17 +371,21 @@ def test_cpu_groups_read_raw_chunks_into_place(tmp_path, monkeypatch, split, fus
             ckptzip.load(q)
 
 
-@pytest.mark.parametrize("small", [64 << 10, -1])
-def test_small_byteplane_batches_load_bit_exact(tmp_path, monkeypatch, small):
+@pytest.mark.parametrize("small,parallel", [(64 << 10, False), (64 << 10, True), (-1, False)])
+def test_small_byteplane_batches_load_bit_exact(tmp_path, monkeypatch, small, parallel):
     """Many small float storages of every byteplane width (a model's norms, biases and
     counters), mixed with a large one and with ones that carry a reference transform, load
     bit-exact on the CPU whether their planes are undone in the decoding thread's one loop
-    (``SMALL_INVERSE``) or on the general path, and their planes are written alike by the
+    (``SMALL_INVERSE``; split between the pool's threads where they hold enough bytes) or on
+    the general path, and their planes are written alike by the
     encoder's loop for small units (``SMALL_PLANES``) and its general path; a damaged small
     storage's chunk is a ChecksumError."""
     from conftest import read_parts, write_parts
+    from ckptzip.codecs import cpu as ccpu
     from ckptzip.engine import decode
     monkeypatch.setattr(decode, "SMALL_INVERSE", small)
+    if parallel:  # (the loops over small storages split between the pool's threads)
+        monkeypatch.setattr(ccpu, "PARALLEL_BYTES", 1 << 10)
     g = torch.Generator().manual_seed(3)
     st = {f"t{i}": torch.randn(17 * (i + 1), generator=g).to(dt)
           for i, dt in enumerate([torch.float32, torch.bfloat16, torch.float64, torch.float16] * 12)}
@@ -819,8 +823,24 @@ def test_fused_scratch_freed_when_its_thread_exits():
 def test_fused_tables_of_many_batches_equal_one_by_one(batches, seed):
     """The tables of a group's batches, built in one numpy pass, are each batch's own table; a
     batch whose chunks span planes is refused alone, its neighbours keep theirs."""
-    from ckptzip.engine.decode import _fused_table, _fused_tables
-    from ckptzip.format import ROW
+    from ckptzip.engine.decode import _fused_tables
+    from ckptzip.format import FLAG_STORED_RAW, ROW
+
+    def _fused_table(rows, tf, nbytes):  # the per-batch code _fused_tables replaced, frozen here
+        w, blk = tf.width, tf.block
+        raws = rows["raw"].astype(np.int64)
+        if nbytes % w or not len(raws) or bool((raws <= 0).any()):
+            return None
+        pos = np.cumsum(raws) - raws
+        bi = pos // (blk * w)
+        m = np.minimum(blk, nbytes // w - bi * blk)
+        within = pos - bi * (blk * w)
+        plane = within // m
+        off = within - plane * m
+        if bool((off + raws > m).any()):
+            return None
+        kind = (rows["flags"] != FLAG_STORED_RAW).astype(np.int64)
+        return [plane + 256 * kind, bi * blk + off, raws, rows["stored"].astype(np.int64)]
     parts, alone, meta = [], [], []
     for k, (width, nwords, block, chunk, across) in enumerate(batches):
         _w, _s, rows, _o = _fused_case(seed + k, width, nwords, block, chunk, 0.5)
@@ -841,3 +861,105 @@ def test_fused_tables_of_many_batches_equal_one_by_one(batches, seed):
             for a, b in zip(one, cols):
                 assert np.array_equal(a, b[at:at + len(rows)])
         at += len(rows)
+
+
+def test_pmap_returns_or_raises_only_when_every_item_is_done():
+    """The CPU pool's map raises the first item's error only after every other item has
+    finished: a decode that fails on one piece never leaves another still writing into the
+    caller's tensors."""
+    import time
+    from ckptzip.codecs.cpu import pmap
+    done = []
+
+    def fn(i):
+        if i == 0:
+            raise ValueError("piece 0")
+        time.sleep(0.2)
+        done.append(i)
+    with pytest.raises(ValueError, match="piece 0"):
+        pmap(fn, 4)
+    assert sorted(done) == [1, 2, 3]
+
+
+def _mixed_small_state():
+    g = torch.Generator().manual_seed(5)
+    st = {f"s{i}": torch.randn(40 * (i + 1), generator=g) for i in range(20)}  # small: two steps
+    st["mid"] = torch.randn(30_000, generator=g).half()  # 60 KB
+    st["big"] = torch.randn(600_000, generator=g)  # fused, in several pieces
+    st["big8"] = torch.randn(200_000, generator=g).double()
+    st["noise"] = torch.randint(0, 255, (300_000,), dtype=torch.uint8, generator=g)  # raw chunks
+    return st
+
+
+@pytest.mark.parametrize("via", ["path", "bytesio"])
+@pytest.mark.parametrize("split", [True, False])
+def test_every_fused_chunk_is_verified_before_it_is_decoded(tmp_path, monkeypatch, via, split):
+    """Whoever verifies a chunk (the reader, or the thread that decodes its piece), every chunk
+    ``planes_fused`` reads for a piece's words has passed its checksum before the call: files
+    and file objects, split reads on and off, batches cut into pieces."""
+    import io
+    import threading
+    from ckptzip import native
+    from ckptzip.codecs import cpu as ccpu
+    from ckptzip.engine import decode
+    from ckptzip.format import checksum
+    from ckptzip.io import reader
+    verified, calls, lock = set(), [], threading.Lock()
+    real_verify, lib = reader._verify, native.lib
+
+    def spy_verify(batch, ks, got):
+        real_verify(batch, ks, got)
+        with lock:
+            verified.update(int(x) for x in batch["xxh3"][ks].astype(np.uint64).tolist())
+
+    class Spy:
+        def __getattr__(self, k):
+            f = getattr(lib, k)
+            if k != "planes_fused":
+                return f
+
+            def pf(s, dst, w, planes, ws, wn, so, ss, w0, w1):
+                hit = (ws < w1) & (ws + wn > w0)  # the chunks the C code reads for w0..w1
+                with lock:
+                    for o, n in zip(so[hit].tolist(), ss[hit].tolist()):
+                        assert checksum(memoryview(s)[o:o + n]) in verified, "a chunk decoded before its checksum"
+                    calls.append(w0)
+                return f(s, dst, w, planes, ws, wn, so, ss, w0, w1)
+            return pf
+    monkeypatch.setattr(reader, "_verify", spy_verify)
+    monkeypatch.setattr(native, "lib", Spy())
+    monkeypatch.setattr(decode, "SPLIT_READS", split)
+    monkeypatch.setattr(decode, "FUSED_MIN", 32 << 10)
+    monkeypatch.setattr(ccpu, "PARALLEL_BYTES", 1 << 16)
+    monkeypatch.setattr(decode, "cpu_threads", lambda: 8)
+    st = _mixed_small_state()
+    p = tmp_path / "m.ckz"
+    ckptzip.save(st, p, device="cpu", chunk_size=1 << 16)
+    back = ckptzip.load(io.BytesIO(p.read_bytes()) if via == "bytesio" else p)
+    for k, v in st.items():
+        assert torch.equal(back[k], v), k
+    assert any(w0 > 0 for w0 in calls)  # (batches were cut into pieces)
+
+
+@pytest.mark.parametrize("pieces", [True, False])
+def test_each_damaged_chunk_of_a_mixed_state_is_a_checksum_error(tmp_path, monkeypatch, pieces):
+    """One byte changed in any chunk (small two-step storages, fused pieces, raw chunks) is a
+    ChecksumError, whether the decoding threads or the reader verify the fused batches."""
+    import io
+    from conftest import read_parts, write_parts
+    from ckptzip.codecs import cpu as ccpu
+    from ckptzip.engine import decode
+    monkeypatch.setattr(decode, "VERIFY_IN_PIECES", pieces)
+    monkeypatch.setattr(decode, "FUSED_MIN", 32 << 10)
+    monkeypatch.setattr(ccpu, "PARALLEL_BYTES", 1 << 16)
+    monkeypatch.setattr(decode, "cpu_threads", lambda: 8)
+    st = _mixed_small_state()
+    p = tmp_path / "m.ckz"
+    ckptzip.save(st, p, device="cpu", chunk_size=1 << 16)
+    data, doc, rows = read_parts(p)
+    q = tmp_path / "bad.ckz"
+    for k in range(0, len(rows), 3):
+        off = int(rows[k]["offset"]) + int(rows[k]["stored"]) // 2
+        write_parts(q, data[:off] + bytes([data[off] ^ 0x5A]) + data[off + 1:], doc, rows)
+        with pytest.raises(ckptzip.ChecksumError):
+            ckptzip.load(io.BytesIO(q.read_bytes()) if k % 2 else q)

@@ -630,9 +630,10 @@ def test_damaged_chunk_of_a_gpu_zstd_or_deflate_file_is_verified_before_decoding
     asked = []
     real = dec.read_stored
 
-    def spy(src, rows, pinned=False, gpu_hash=False):
+    def spy(src, rows, pinned=False, gpu_hash=False, defer=None):
         asked.append(gpu_hash)
-        return real(src, rows, pinned=pinned, gpu_hash=gpu_hash)
+        assert defer is None  # (GPU groups: the reader verifies every chunk it does not leave to the GPU)
+        return real(src, rows, pinned=pinned, gpu_hash=gpu_hash, defer=defer)
     monkeypatch.setattr(dec, "read_stored", spy)
     back = ckptzip.load(p, map_location="cuda")
     assert all(same_bits(back[k], st[k]) for k in st)

@@ -3,6 +3,7 @@
 libraries release the GIL while they work."""
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 import zlib
@@ -47,10 +48,15 @@ def cpu_threads() -> int:
 
 
 def pmap(fn: Callable[[int], Any], n: int) -> list[Any]:
+    """``[fn(i) for i in range(n)]`` on the CPU pool. Every item has finished before this
+    returns or raises (the first item's error): a failed decode never leaves a pool thread still
+    writing into the caller's tensors."""
     # inline when there is one item, or when called from a pool thread (no nested waits)
     if n <= 1 or threading.current_thread().name.startswith("ckptzip_"):
         return [fn(i) for i in range(n)]
-    return list(_pool().map(fn, range(n)))
+    futs = [_pool().submit(fn, i) for i in range(n)]
+    concurrent.futures.wait(futs)
+    return [f.result() for f in futs]
 
 
 #: CPU work on at least this many bytes is split between the pool's threads (byteplane passes,
@@ -76,6 +82,17 @@ def pmap_sized(fn: Callable[[int], Any], sizes: list[int]) -> None:
     than the work), large ones one task each."""
     rs = runs(sizes, 4 * cpu_threads())
     pmap(lambda r: [fn(k) for k in rs[r]], len(rs))
+
+
+def small_loops(loop: Callable[[list], None], items: list, sizes: list[int]) -> None:
+    """``loop(items)`` (a loop of C calls over small items) on the caller's thread, or, where the
+    items hold PARALLEL_BYTES or more (many storages of up to 64 KiB on a many-core host),
+    ``loop`` over runs of about equal bytes on the CPU pool."""
+    if sum(sizes) < PARALLEL_BYTES:
+        loop(items)
+        return
+    rs = runs(sizes, cpu_threads())
+    pmap(lambda r: loop([items[k] for k in rs[r]]), len(rs))
 
 
 def _concat(outs: list) -> tuple[torch.Tensor, list[int], list[int]]:

@@ -16,7 +16,7 @@ from .. import native
 from ..codecs import _capi
 from ..codecs import cpu as ccpu
 from ..codecs.base import Codec, get_codec
-from ..codecs.cpu import cpu_threads, pmap, pmap_sized, runs
+from ..codecs.cpu import cpu_threads, pmap, pmap_sized, runs, small_loops
 from ..codecs.gpu import release_scratch
 from ..errors import ChecksumError, CodecError, CorruptFileError
 from ..format import FLAG_STORED_RAW
@@ -232,7 +232,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                 plan = _fused_plan(rows, grp) if cpu else None
                 # (the fused batches' chunks are verified by the decoding threads, each piece's
                 # just before it is decoded: in parallel, not all on this thread before any decode)
-                defer = plan.rows if plan is not None and VERIFY_IN_PIECES else None
+                defer = plan.rows if plan is not None and plan.verify else None
                 to_stream = rows["flags"] == FLAG_STORED_RAW
                 if plan is not None:  # (the fused batches' stored planes are read into the buffer)
                     to_stream &= ~plan.rows
@@ -383,7 +383,7 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     raws = rows["raw"].astype(np.int64)
     soffs = np.asarray(soffs, dtype=np.int64)
     if plan is not None:
-        _decode_fused(src, soffs, plan, rows if VERIFY_IN_PIECES else None)
+        _decode_fused(src, soffs, plan, rows if plan.verify else None)
         if all(plan.batches):
             return
     if pre is None:
@@ -553,6 +553,9 @@ class FusedPlan(NamedTuple):
     rows: np.ndarray  # a mask of the group's rows that belong to them
     batches: list  # a flag per batch of the group
     items: list  # (job, a, b, first row, table without source offsets) per fused batch
+    #: their chunks are verified by the decoding threads, each piece's just before it is
+    #: decoded (the reader read them without verifying: ``defer``), else by the reader
+    verify: bool = False
 
 
 def _fused_plan(rows: np.ndarray, grp: list) -> FusedPlan | None:
@@ -582,7 +585,7 @@ def _fused_plan(rows: np.ndarray, grp: list) -> FusedPlan | None:
             mask[r0:r0 + n] = True
             items.append((job, a, b, r0, [col[at:at + n] for col in cols]))
         at += n
-    return FusedPlan(mask, flags, items) if items else None
+    return FusedPlan(mask, flags, items, VERIFY_IN_PIECES) if items else None
 
 
 def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, verify_rows: np.ndarray | None = None
@@ -667,10 +670,13 @@ def _cpu_untransform(stream: torch.Tensor, grp: list, starts: list[int]) -> None
                  if b - a <= SMALL_INVERSE and job.ref is None and type(job.tf) is BytePlane and job.tf.rotate is None]
         if small:
             s, dec = stream.numpy(), native.lib.decode
-            for k in small:
-                job, _i, _j, a, b = grp[k]
-                w, pos = job.tf.width, starts[k]
-                dec(s[pos:pos + (b - a)], job.out.numpy()[a:b], w, job.tf.block, 0, (b - a) // w)
+
+            def loop(ks) -> None:
+                for k in ks:
+                    job, _i, _j, a, b = grp[k]
+                    w, pos = job.tf.width, starts[k]
+                    dec(s[pos:pos + (b - a)], job.out.numpy()[a:b], w, job.tf.block, 0, (b - a) // w)
+            small_loops(loop, small, [grp[k][4] - grp[k][3] for k in small])
             if len(small) == len(grp):
                 return
             keep = sorted(set(range(len(grp))) - set(small))
