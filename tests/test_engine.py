@@ -941,21 +941,30 @@ def test_every_fused_chunk_is_verified_before_it_is_decoded(tmp_path, monkeypatc
     assert any(w0 > 0 for w0 in calls)  # (batches were cut into pieces)
 
 
-@pytest.mark.parametrize("pieces", [True, False])
+@pytest.mark.parametrize("pieces", [True, False, "large groups"])
 def test_each_damaged_chunk_of_a_mixed_state_is_a_checksum_error(tmp_path, monkeypatch, pieces):
     """One byte changed in any chunk (small two-step storages, fused pieces, raw chunks) is a
-    ChecksumError, whether the decoding threads or the reader verify the fused batches."""
+    ChecksumError, whether the decoding threads or the reader verify the fused batches (the
+    reader does for groups it hashes on the read pool's threads: ``large groups``)."""
     import io
     from conftest import read_parts, write_parts
     from ckptzip.codecs import cpu as ccpu
     from ckptzip.engine import decode
-    monkeypatch.setattr(decode, "VERIFY_IN_PIECES", pieces)
+    monkeypatch.setattr(decode, "VERIFY_IN_PIECES", bool(pieces))
+    if pieces == "large groups":
+        monkeypatch.setattr(decode, "HASH_PARALLEL_MIN", 0)
     monkeypatch.setattr(decode, "FUSED_MIN", 32 << 10)
     monkeypatch.setattr(ccpu, "PARALLEL_BYTES", 1 << 16)
     monkeypatch.setattr(decode, "cpu_threads", lambda: 8)
     st = _mixed_small_state()
     p = tmp_path / "m.ckz"
     ckptzip.save(st, p, device="cpu", chunk_size=1 << 16)
+    plans = []
+    real_plan = decode._fused_plan
+    monkeypatch.setattr(decode, "_fused_plan", lambda rows, grp: plans.append(real_plan(rows, grp)) or plans[-1])
+    assert torch.equal(ckptzip.load(p)["big"], st["big"])
+    assert any(pl is not None for pl in plans)
+    assert all(pl.verify == (pieces is True) for pl in plans if pl is not None)
     data, doc, rows = read_parts(p)
     q = tmp_path / "bad.ckz"
     for k in range(0, len(rows), 3):

@@ -20,7 +20,7 @@ from ..codecs.cpu import cpu_threads, pmap, pmap_sized, runs, small_loops
 from ..codecs.gpu import release_scratch
 from ..errors import ChecksumError, CodecError, CorruptFileError
 from ..format import FLAG_STORED_RAW
-from ..io.reader import read_split, read_stored, verify
+from ..io.reader import HASH_PARALLEL_MIN, read_split, read_stored, verify
 from ..storage import split_ranges
 from ..kernels import PARTIAL, PARTIAL16, enabled, launch, triton_kernels
 from ..transforms import RefTransform, Transform, get_transform
@@ -43,8 +43,9 @@ SPLIT_READS = True
 #: stream, then the inverse into the destination (tests cover both)
 FUSED = True
 #: the chunks of fused batches are verified by the decoding threads, each piece's just before
-#: its decode (in parallel and while the next group is read); False: by the reader thread, with
-#: the group's other chunks (tests cover both)
+#: its decode (in parallel and while the next group is read), where the reader would hash them
+#: on its one thread (under io.reader.HASH_PARALLEL_MIN); False: by the reader thread, with the
+#: group's other chunks (tests cover both)
 VERIFY_IN_PIECES = True
 #: smaller batches take the two-step path: their table and call cost about 40 us, as much as
 #: the pass they save (2-core loads from memory, medians of 11 interleaved rounds: 200 tensors
@@ -585,7 +586,13 @@ def _fused_plan(rows: np.ndarray, grp: list) -> FusedPlan | None:
             mask[r0:r0 + n] = True
             items.append((job, a, b, r0, [col[at:at + n] for col in cols]))
         at += n
-    return FusedPlan(mask, flags, items, VERIFY_IN_PIECES) if items else None
+    if not items:
+        return None
+    # the decoding threads verify the chunks where the reader would hash them on its one thread
+    # (a 16-core host's 64 MiB groups are hashed by the read pool's threads as they are read:
+    # there, hashing in the decoding threads made a 2.4 GB load 5-7 % slower)
+    verify = VERIFY_IN_PIECES and int(rows["stored"][mask].sum()) < HASH_PARALLEL_MIN
+    return FusedPlan(mask, flags, items, verify)
 
 
 def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, verify_rows: np.ndarray | None = None

@@ -169,6 +169,10 @@ def read_split(fd: int, batch: np.ndarray, stream: np.ndarray, roffs: np.ndarray
     return buf, soffs.tolist()
 
 
+#: chunks of at least this many bytes in all are hashed by the read pool's threads
+HASH_PARALLEL_MIN = 32 << 20
+
+
 def checksums(b: np.ndarray, offs, stored, which: np.ndarray | None = None) -> list[int | None]:
     """XXH3-64 of every chunk (of those ``which`` marks; None for the others); large batches are
     hashed by the read pool's threads, each taking a contiguous part of the chunks (xxhash
@@ -179,7 +183,7 @@ def checksums(b: np.ndarray, offs, stored, which: np.ndarray | None = None) -> l
 
     def run(ks) -> list[int | None]:
         return [checksum(mv[ol[k]:ol[k] + sl[k]]) if wl is None or wl[k] else None for k in ks]
-    if int(np.sum(stored)) < (32 << 20) or n < 4 or READ_THREADS < 2:
+    if int(np.sum(stored)) < HASH_PARALLEL_MIN or n < 4 or READ_THREADS < 2:
         return run(range(n))
     return [x for part in read_pool().map(run, [range(a[0], a[-1] + 1) for a in np.array_split(np.arange(n), READ_THREADS) if len(a)])
             for x in part]
