@@ -881,14 +881,23 @@ def test_pmap_returns_or_raises_only_when_every_item_is_done():
     assert sorted(done) == [1, 2, 3]
 
 
-def _mixed_small_state():
+def _mixed_small_file(tmp_path, monkeypatch):
+    """A CPU-written file of small storages (two steps), a 60 KB one, fused ones cut into pieces
+    (FUSED_MIN 32 KiB, 8 threads, 64 KiB chunks) and raw chunks: ``(state, path)``."""
+    from ckptzip.codecs import cpu as ccpu
+    from ckptzip.engine import decode
+    monkeypatch.setattr(decode, "FUSED_MIN", 32 << 10)
+    monkeypatch.setattr(ccpu, "PARALLEL_BYTES", 1 << 16)
+    monkeypatch.setattr(decode, "cpu_threads", lambda: 8)
     g = torch.Generator().manual_seed(5)
-    st = {f"s{i}": torch.randn(40 * (i + 1), generator=g) for i in range(20)}  # small: two steps
-    st["mid"] = torch.randn(30_000, generator=g).half()  # 60 KB
-    st["big"] = torch.randn(600_000, generator=g)  # fused, in several pieces
+    st = {f"s{i}": torch.randn(40 * (i + 1), generator=g) for i in range(20)}
+    st["mid"] = torch.randn(30_000, generator=g).half()
+    st["big"] = torch.randn(600_000, generator=g)
     st["big8"] = torch.randn(200_000, generator=g).double()
-    st["noise"] = torch.randint(0, 255, (300_000,), dtype=torch.uint8, generator=g)  # raw chunks
-    return st
+    st["noise"] = torch.randint(0, 255, (300_000,), dtype=torch.uint8, generator=g)
+    p = tmp_path / "m.ckz"
+    ckptzip.save(st, p, device="cpu", chunk_size=1 << 16)
+    return st, p
 
 
 @pytest.mark.parametrize("via", ["path", "bytesio"])
@@ -900,7 +909,6 @@ def test_every_fused_chunk_is_verified_before_it_is_decoded(tmp_path, monkeypatc
     import io
     import threading
     from ckptzip import native
-    from ckptzip.codecs import cpu as ccpu
     from ckptzip.engine import decode
     from ckptzip.format import checksum
     from ckptzip.io import reader
@@ -929,12 +937,7 @@ def test_every_fused_chunk_is_verified_before_it_is_decoded(tmp_path, monkeypatc
     monkeypatch.setattr(reader, "_verify", spy_verify)
     monkeypatch.setattr(native, "lib", Spy())
     monkeypatch.setattr(decode, "SPLIT_READS", split)
-    monkeypatch.setattr(decode, "FUSED_MIN", 32 << 10)
-    monkeypatch.setattr(ccpu, "PARALLEL_BYTES", 1 << 16)
-    monkeypatch.setattr(decode, "cpu_threads", lambda: 8)
-    st = _mixed_small_state()
-    p = tmp_path / "m.ckz"
-    ckptzip.save(st, p, device="cpu", chunk_size=1 << 16)
+    st, p = _mixed_small_file(tmp_path, monkeypatch)
     back = ckptzip.load(io.BytesIO(p.read_bytes()) if via == "bytesio" else p)
     for k, v in st.items():
         assert torch.equal(back[k], v), k
@@ -948,17 +951,11 @@ def test_each_damaged_chunk_of_a_mixed_state_is_a_checksum_error(tmp_path, monke
     reader does for groups it hashes on the read pool's threads: ``large groups``)."""
     import io
     from conftest import read_parts, write_parts
-    from ckptzip.codecs import cpu as ccpu
     from ckptzip.engine import decode
     monkeypatch.setattr(decode, "VERIFY_IN_PIECES", bool(pieces))
     if pieces == "large groups":
         monkeypatch.setattr(decode, "HASH_PARALLEL_MIN", 0)
-    monkeypatch.setattr(decode, "FUSED_MIN", 32 << 10)
-    monkeypatch.setattr(ccpu, "PARALLEL_BYTES", 1 << 16)
-    monkeypatch.setattr(decode, "cpu_threads", lambda: 8)
-    st = _mixed_small_state()
-    p = tmp_path / "m.ckz"
-    ckptzip.save(st, p, device="cpu", chunk_size=1 << 16)
+    st, p = _mixed_small_file(tmp_path, monkeypatch)
     plans = []
     real_plan = decode._fused_plan
     monkeypatch.setattr(decode, "_fused_plan", lambda rows, grp: plans.append(real_plan(rows, grp)) or plans[-1])
