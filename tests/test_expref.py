@@ -621,3 +621,23 @@ def test_exponent_entropy_native_equals_numpy():
         finally:
             native.lib = lib
         assert abs(got - want) < 1e-9
+
+
+def test_states_without_float32_skip_the_adam_key_search(monkeypatch):
+    """``expref`` and ``expgrid`` take float32 moments only: a save with no float32 storage
+    does not build the tensors' dotted keys to look for them (13 us per tensor), and a float32
+    one still finds its Adam pairs."""
+    import io
+    import ckptzip
+    from ckptzip import tree
+    calls = []
+    real = tree.tensor_keys
+    monkeypatch.setattr(tree, "tensor_keys", lambda root: calls.append(1) or real(root))
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(256, 64, generator=g) * 1e-3
+    st = {"state": {0: {"exp_avg": m, "exp_avg_sq": m * m}}}
+    bf = {"state": {0: {k: v.to(torch.bfloat16) for k, v in st["state"][0].items()}}}
+    ckptzip.save(bf, io.BytesIO(), device="cpu")
+    assert not calls
+    ckptzip.save(st, io.BytesIO(), device="cpu")
+    assert calls

@@ -80,15 +80,15 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
         window = (gpu_window(scratch_heavy=planner.scratch_heavy) if planner.dev == "cuda"
                   else CPU_FILE_WINDOW if stream else DEFAULT_WINDOW)
     ref_tfs: dict = {}
+    grid: dict = {}
     if derive and transform == "auto":
         from .engine.refplan import find_derived, find_expgrid, find_expref
         ref_tfs.update(find_derived(enc.storages, reuse=reuse_plan))
-        from .tree import tensor_keys
-        keys = tensor_keys(root)[0]
-        ref_tfs.update(find_expref(root, enc.storages, skip=set(ref_tfs), keys=keys))
-        grid = find_expgrid(root, enc.storages, skip=set(ref_tfs), keys=keys, reuse=reuse_plan)
-    else:
-        grid = {}
+        if any(r.elem == "float32" for r in enc.storages):  # (Adam's moments in float32 only: the
+            from .tree import tensor_keys                    # keys cost 13 us per tensor)
+            keys = tensor_keys(root)[0]
+            ref_tfs.update(find_expref(root, enc.storages, skip=set(ref_tfs), keys=keys))
+            grid = find_expgrid(root, enc.storages, skip=set(ref_tfs), keys=keys, reuse=reuse_plan)
     alt: dict = {}
     bases = None
     if base is not None:
