@@ -580,6 +580,16 @@ def _fused_case(seed: int, width: int, nwords: int, block: int, chunk: int, code
     return words, src, rows, np.asarray(soffs, dtype=np.int64)
 
 
+def _fused_table(rows, tf, nbytes):
+    """One batch's planes_fused table (engine.decode._fused_tables of that batch alone), or None
+    where the batch cannot be decoded so."""
+    from ckptzip.engine.decode import _fused_tables
+    if not len(rows):
+        return None
+    cols, ok = _fused_tables(rows, *(np.asarray([x], dtype=np.int64) for x in (len(rows), tf.width, tf.block, nbytes)))
+    return cols if bool(ok[0]) else None
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from([2, 4, 8]), st.integers(1, 3000), st.integers(1, 1200), st.integers(1, 700),
        st.floats(0, 1), st.integers(1, 4), st.integers(0, 2**32 - 1))
@@ -588,7 +598,6 @@ def test_fused_planes_decode_equals_the_words(width, nwords, block, chunk, coded
     gives back the words for any block and chunk sizes and any mix of stored and zstd chunks,
     decoded in any number of word ranges (the pool's threads split large batches); words
     outside a call's range are not written."""
-    from ckptzip.engine.decode import _fused_table
     lib = _fused_lib()
     words, src, rows, soffs = _fused_case(seed, width, nwords, block, chunk, coded_share)
     t = _fused_table(rows, BytePlane(width, block), nwords * width)
@@ -607,7 +616,6 @@ def test_fused_planes_refuses_bad_tables_and_frames():
     a gap, overlap or disorder in a plane, a stored chunk whose size is not its words', an
     unknown kind, buffers that overlap, a word range outside dst); a frame that is not one
     zstd frame of exactly its words is (index, message), as the zstd decoder reports it."""
-    from ckptzip.engine.decode import _fused_table
     lib = _fused_lib()
     words, src, rows, soffs = _fused_case(5, 4, 1000, 400, 150, 0.5)
     t = _fused_table(rows, BytePlane(4, 400), 4000)
@@ -656,7 +664,6 @@ def test_fused_planes_refuses_bad_tables_and_frames():
 def test_fused_table_falls_back_for_chunks_across_planes():
     """A batch whose chunks span two planes (valid, never written by ckptzip) gets no fused
     table: the two-step decode takes it, and the file loads bit-exact either way."""
-    from ckptzip.engine.decode import _fused_table
     from ckptzip.format import ROW
     rows = np.zeros(3, ROW)
     rows["raw"] = [600, 600, 400]  # planes of 400 bytes (block 400 words of width 4)
@@ -793,7 +800,6 @@ def test_fused_scratch_freed_when_its_thread_exits():
     short-lived threads decode small batches inline): 40 threads, each decoding 4 MiB of zstd
     planes, leave resident memory within 64 MiB of where it was."""
     import threading
-    from ckptzip.engine.decode import _fused_table
     lib = _fused_lib()
     if not os.path.exists("/proc/self/statm"):
         pytest.skip("no /proc")

@@ -76,23 +76,17 @@ def runs(sizes: list[int], most: int) -> list[range]:
     return [range(a, b) for a, b in zip(edges, edges[1:]) if b > a]
 
 
-def pmap_sized(fn: Callable[[int], Any], sizes: list[int]) -> None:
+def pmap_sized(fn: Callable[[int], Any], sizes: list[int], inline_small: bool = False) -> None:
     """``fn(k)`` for every item ``k`` (of ``sizes[k]`` bytes) on the CPU pool: many small items
     go in a few runs of about equal bytes (one pool task each cost more in the pool's futures
-    than the work), large ones one task each."""
+    than the work), large ones one task each. ``inline_small``: on the caller's thread where the
+    items hold less than PARALLEL_BYTES in all (loops of C calls over small storages)."""
+    if inline_small and sum(sizes) < PARALLEL_BYTES:
+        for k in range(len(sizes)):
+            fn(k)
+        return
     rs = runs(sizes, 4 * cpu_threads())
     pmap(lambda r: [fn(k) for k in rs[r]], len(rs))
-
-
-def small_loops(loop: Callable[[list], None], items: list, sizes: list[int]) -> None:
-    """``loop(items)`` (a loop of C calls over small items) on the caller's thread, or, where the
-    items hold PARALLEL_BYTES or more (many storages of up to 64 KiB on a many-core host),
-    ``loop`` over runs of about equal bytes on the CPU pool."""
-    if sum(sizes) < PARALLEL_BYTES:
-        loop(items)
-        return
-    rs = runs(sizes, cpu_threads())
-    pmap(lambda r: loop([items[k] for k in rs[r]]), len(rs))
 
 
 def _concat(outs: list) -> tuple[torch.Tensor, list[int], list[int]]:

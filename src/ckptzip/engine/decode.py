@@ -16,7 +16,7 @@ from .. import native
 from ..codecs import _capi
 from ..codecs import cpu as ccpu
 from ..codecs.base import Codec, get_codec
-from ..codecs.cpu import cpu_threads, pmap, pmap_sized, runs, small_loops
+from ..codecs.cpu import cpu_threads, pmap, pmap_sized, runs
 from ..codecs.gpu import release_scratch
 from ..errors import ChecksumError, CodecError, CorruptFileError
 from ..format import FLAG_STORED_RAW
@@ -384,7 +384,7 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
     raws = rows["raw"].astype(np.int64)
     soffs = np.asarray(soffs, dtype=np.int64)
     if plan is not None:
-        _decode_fused(src, soffs, plan, rows if plan.verify else None)
+        _decode_fused(src, soffs, plan, rows)
         if all(plan.batches):
             return
     if pre is None:
@@ -511,26 +511,16 @@ def _fused_batch(job: Job, a: int, b: int) -> bool:
     return b - a >= FUSED_MIN and _fusable(job)
 
 
-def _fused_table(rows: np.ndarray, tf: BytePlane, nbytes: int) -> list | None:
-    """The chunk table of :func:`ckptzip._bpnative.planes_fused` for one batch (``rows`` in stream
-    order, ``nbytes`` the batch's stream bytes) without its source offsets: plane (+ 256 for a
-    zstd frame), first word, words and stored size of each chunk; or None where a chunk spans
-    two planes (a layout this writer never makes: such a batch is decoded the two-step way,
-    which takes any chunking). One batch of :func:`_fused_tables`."""
-    if not len(rows):
-        return None
-    cols, ok = _fused_tables(rows, np.asarray([len(rows)], dtype=np.int64), np.asarray([tf.width], dtype=np.int64),
-                             np.asarray([tf.block], dtype=np.int64), np.asarray([nbytes], dtype=np.int64))
-    return cols if bool(ok[0]) else None
-
-
 def _fused_tables(rows: np.ndarray, counts: np.ndarray, width: np.ndarray, block: np.ndarray,
                   nbytes: np.ndarray) -> tuple[list, np.ndarray]:
-    """:func:`_fused_table` of many batches in one numpy pass (a group of small storages paid
-    about 20 us of numpy calls per batch): batch k is the next ``counts[k]`` (at least one) of
-    ``rows``, with its byteplane width, block (words) and stream bytes. Returns the table's four
-    columns for all rows (batch k's rows are a slice of each) and whether each batch can be
-    decoded so."""
+    """The chunk tables of :func:`ckptzip._bpnative.planes_fused` for many batches in one numpy
+    pass (per batch, numpy calls cost about 20 us): batch k is the next ``counts[k]`` (at least
+    one) of ``rows`` (in stream order), with its byteplane width, block (words) and stream
+    bytes. Returns the table's columns without the source offsets, for all rows (batch k's rows
+    are a slice of each): plane (+ 256 for a zstd frame), first word, words and stored size of
+    each chunk; and whether each batch can be decoded so. A batch with a chunk across two planes
+    cannot (a layout this writer never makes: such a batch is decoded the two-step way, which
+    takes any chunking)."""
     raws = rows["raw"].astype(np.int64)
     w, blk, nb = (np.repeat(x, counts) for x in (width, block, nbytes))
     starts = np.cumsum(counts) - counts
@@ -595,16 +585,15 @@ def _fused_plan(rows: np.ndarray, grp: list) -> FusedPlan | None:
     return FusedPlan(mask, flags, items, verify)
 
 
-def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, verify_rows: np.ndarray | None = None
-                  ) -> None:
+def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: np.ndarray) -> None:
     """Decode the batches of ``plan`` straight from the read buffer ``src`` (chunk ``i`` of the
-    group at ``soffs[i]``) into their destinations: each batch's words are assembled in one pass
+    group at ``soffs[i]``, its chunk-table row ``rows[i]``) into their destinations: each batch's words are assembled in one pass
     from its stored planes, read where they lie, and its zstd planes, each frame decoded into a
     chunk-sized scratch just before (``planes_fused``). The two-step path wrote every byte into
     the group stream first and read it back. Large batches are cut between the CPU pool's
     threads where every plane has a chunk start (no chunk is decoded by two pieces).
-    ``verify_rows`` (the group's chunk-table rows): the reader left these batches' checksums to
-    this function; each piece's chunks are verified by its thread just before it decodes them."""
+    With ``plan.verify`` the reader left these batches' checksums to this function: each
+    piece's chunks are verified by its thread just before it decodes them."""
     threads = cpu_threads()
     total = sum(b - a for _job, a, b, _r0, _t in plan.items)
     share = max(ccpu.PARALLEL_BYTES // 2, -(-total // threads))
@@ -628,9 +617,9 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, verify_
     def one(k: int) -> None:
         (job, a, b, r0, t), w0, w1, _n = work[k]
         so = np.ascontiguousarray(soffs[r0:r0 + len(t[0])])
-        if verify_rows is not None:  # (this piece's chunks: those whose words start in w0..w1)
+        if plan.verify:  # (this piece's chunks: those whose words start in w0..w1)
             mine = np.nonzero((t[1] >= w0) & (t[1] < w1))[0] if w0 or w1 < (b - a) // job.tf.width else slice(None)
-            verify(s, so[mine], verify_rows[r0:r0 + len(t[0])][mine])
+            verify(s, so[mine], rows[r0:r0 + len(t[0])][mine])
         try:
             err = native.lib.planes_fused(s, job.out.numpy()[a:b], job.tf.width, t[0], t[1], t[2], so, t[3], w0, w1)
         except ValueError as e:  # (the table is built from a validated manifest)
@@ -673,21 +662,21 @@ def _cpu_untransform(stream: torch.Tensor, grp: list, starts: list[int]) -> None
     scratch whenever a group has one). Small batches of byte planes alone are undone first, in
     one loop on this thread (:data:`SMALL_INVERSE`)."""
     if native.lib is not None:
-        small = [k for k, (job, _i, _j, a, b) in enumerate(grp)
-                 if b - a <= SMALL_INVERSE and job.ref is None and type(job.tf) is BytePlane and job.tf.rotate is None]
-        if small:
+        is_small = [b - a <= SMALL_INVERSE and job.ref is None and type(job.tf) is BytePlane and job.tf.rotate is None
+                    for job, _i, _j, a, b in grp]
+        if any(is_small):
             s, dec = stream.numpy(), native.lib.decode
+            small = [(item, pos) for item, pos, sm in zip(grp, starts, is_small) if sm]
 
-            def loop(ks) -> None:
-                for k in ks:
-                    job, _i, _j, a, b = grp[k]
-                    w, pos = job.tf.width, starts[k]
-                    dec(s[pos:pos + (b - a)], job.out.numpy()[a:b], w, job.tf.block, 0, (b - a) // w)
-            small_loops(loop, small, [grp[k][4] - grp[k][3] for k in small])
-            if len(small) == len(grp):
+            def one(k: int) -> None:
+                (job, _i, _j, a, b), pos = small[k]
+                w = job.tf.width
+                dec(s[pos:pos + (b - a)], job.out.numpy()[a:b], w, job.tf.block, 0, (b - a) // w)
+            pmap_sized(one, [item[4] - item[3] for item, _pos in small], inline_small=True)
+            grp = [item for item, sm in zip(grp, is_small) if not sm]
+            starts = [pos for pos, sm in zip(starts, is_small) if not sm]
+            if not grp:
                 return
-            keep = sorted(set(range(len(grp))) - set(small))
-            grp, starts = [grp[k] for k in keep], [starts[k] for k in keep]
     tasks = [(job.tf, job.ref, stream[pos:pos + (b - a)], job.dst(a, b), a, b)
              for (job, _i, _j, a, b), pos in zip(grp, starts)]
 

@@ -10,7 +10,7 @@ import torch
 
 from .. import native
 from ..codecs.base import Codec
-from ..codecs.cpu import pmap_sized, small_loops
+from ..codecs.cpu import pmap_sized
 from ..format import FLAG_STORED_RAW, ROW
 from ..kernels import enabled, launch, triton_kernels
 from ..transforms import Transform
@@ -147,10 +147,10 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
             enc = native.lib.encode
             small = [t for t, sm in zip(cpu_tf, is_small) if sm]
 
-            def loop(ts) -> None:
-                for tf, src, out in ts:
-                    enc(src.numpy(), out.numpy(), tf.width, tf.block, 0, src.numel() // tf.width)
-            small_loops(loop, small, [t[1].numel() for t in small])
+            def one(k: int) -> None:
+                tf, src, out = small[k]
+                enc(src.numpy(), out.numpy(), tf.width, tf.block, 0, src.numel() // tf.width)
+            pmap_sized(one, [t[1].numel() for t in small], inline_small=True)
             cpu_tf = [t for t, sm in zip(cpu_tf, is_small) if not sm]
     if cpu_tf:
         pmap_sized(lambda i: cpu_tf[i][0].encode(cpu_tf[i][1], out=cpu_tf[i][2]), [t[1].numel() for t in cpu_tf])

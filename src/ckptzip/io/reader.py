@@ -119,9 +119,7 @@ def _read_into(fd, batch: np.ndarray, buf: torch.Tensor, fo: np.ndarray, offs: n
 def verify(buf: np.ndarray, offs: np.ndarray, batch: np.ndarray) -> None:
     """ChecksumError for the first chunk of ``batch`` (chunk-table rows) whose bytes at ``offs``
     in ``buf`` fail their XXH3 (the chunks a read left to its caller: ``defer``)."""
-    mv = memoryview(buf)
-    got = np.fromiter((checksum(mv[o:o + n]) for o, n in zip(np.asarray(offs).tolist(), batch["stored"].tolist())),
-                      dtype=np.uint64, count=len(batch))
+    got = np.array(checksums(buf, offs, batch["stored"]), dtype=np.uint64)
     _verify(batch, np.arange(len(batch)), got)
 
 
