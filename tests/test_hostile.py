@@ -402,6 +402,56 @@ def test_load_and_open_file_objects(tmp_path, small):
         assert_same(obj, ckptzip.load(f))
 
 
+def test_bytesio_is_decoded_in_place_and_never_changed(tmp_path, monkeypatch):
+    """A BytesIO is read from its own bytes: the decoder gets views of them (no copy), they are
+    never written, and the reader keeps its snapshot when the caller writes to the BytesIO."""
+    from ckptzip.engine import decode
+    from ckptzip.storage import FileObjectSource
+    g = torch.Generator().manual_seed(3)
+    obj = {"w": torch.randn(300_000, generator=g), "h": torch.randn(70_000, generator=g).bfloat16(),
+           "i": torch.arange(5000), "n": torch.randn(7, generator=g), "s": "x"}
+    bio = io.BytesIO()
+    ckptzip.save(obj, bio)
+    bio.seek(0)
+    before = bio.getvalue()
+    base = FileObjectSource(bio).mem.data_ptr()
+    seen = []
+    real = decode.read_stored
+
+    def spy(src, rows, **kw):
+        host, soffs, later = real(src, rows, **kw)
+        seen.append(base <= host.data_ptr() < base + len(before))
+        return host, soffs, later
+    monkeypatch.setattr(decode, "read_stored", spy)
+    for _ in range(2):
+        assert_same(obj, ckptzip.load(bio))
+    assert seen and all(seen)
+    assert bio.getvalue() == before
+    r = ckptzip.open(bio)
+    bio.seek(0)
+    bio.write(b"\0" * len(before))  # (copy-on-write: the reader's snapshot keeps the old bytes)
+    assert same_bits(r.get_tensor("w"), obj["w"])
+    r.close()
+    # a file object that starts inside a larger buffer, and damage found by its checksum
+    assert_same(obj, ckptzip.load(_at(b"junk" + before, 4)))
+    (tmp_path / "a.ckz").write_bytes(before)
+    _data, _doc, rows = read_parts(tmp_path / "a.ckz")
+    k = int(np.argmax(rows["stored"]))
+    off = int(rows[k]["offset"]) + 5
+    bad = before[:off] + bytes([before[off] ^ 1]) + before[off + 1:]
+    with pytest.raises(ckptzip.ChecksumError):
+        ckptzip.load(io.BytesIO(bad))
+    src = FileObjectSource(io.BytesIO(before))
+    with pytest.raises(ckptzip.TruncatedFileError):
+        src.view(len(before) - 3, 4)
+
+
+def _at(data: bytes, start: int) -> io.BytesIO:
+    b = io.BytesIO(data)
+    b.seek(start)
+    return b
+
+
 def test_open_for_write_file_object_not_closed():
     from ckptzip.storage import open_for_write
     bio = io.BytesIO()

@@ -269,7 +269,13 @@ class RemoteSource:
 
 class FileObjectSource:
     """Positional reads over a caller's binary file object (anything with ``read``/``readinto``
-    and ``seek``, e.g. ``io.BytesIO`` or ``open(p, "rb")``). Serialised; never closes it."""
+    and ``seek``, e.g. ``io.BytesIO`` or ``open(p, "rb")``). Serialised; never closes it.
+
+    An ``io.BytesIO`` is read from a snapshot of its bytes instead: ``getvalue()``, which is
+    the object's own immutable buffer, not a copy, unless the object is exported or
+    over-allocated (later writes to the BytesIO copy it first, as Python's copy-on-write buffer
+    does; the snapshot never changes). Its chunks are then decoded where they lie
+    (:meth:`view`), with no copy and no read holding the GIL."""
 
     def __init__(self, f) -> None:
         self.f = f
@@ -277,8 +283,31 @@ class FileObjectSource:
         self._start = f.tell() if hasattr(f, "tell") else 0
         self.size = f.seek(0, os.SEEK_END) - self._start
         f.seek(self._start)
+        self.mem = None  # a uint8 tensor over the snapshot's bytes from the start, or None
+        if isinstance(f, io.BytesIO) and self.size > 0:
+            snap = f.getvalue()
+            if len(snap) == self._start + self.size:
+                import warnings
+                import torch
+                with warnings.catch_warnings():  # (bytes are read-only: ckptzip never writes a source)
+                    warnings.simplefilter("ignore")
+                    self.mem = torch.frombuffer(snap, dtype=torch.uint8)[self._start:]
+
+    def view(self, offset: int, n: int):
+        """The source's bytes ``offset:offset + n`` as a uint8 tensor that shares them (never
+        written), or None where reads must copy; TruncatedFileError past the end."""
+        if self.mem is None:
+            return None
+        if offset < 0 or n < 0 or offset + n > self.size:
+            raise TruncatedFileError(f"file ends inside a declared range at offset {min(max(offset, 0), self.size)}")
+        return self.mem[offset:offset + n]
 
     def pread_into(self, buf: memoryview, offset: int) -> None:
+        if self.mem is not None:
+            n = len(buf)
+            src = self.view(offset, n)
+            memoryview(buf).cast("B")[:] = memoryview(src.numpy())
+            return
         with self._lock:
             self.f.seek(self._start + offset)
             got = 0
@@ -295,7 +324,7 @@ class FileObjectSource:
                 got += k
 
     def close(self) -> None:
-        pass  # the caller's file stays open
+        self.mem = None  # (the caller's file stays open)
 
 
 def is_file_object(x) -> bool:

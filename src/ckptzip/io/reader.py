@@ -45,6 +45,18 @@ def read_stored(fd: int, batch: np.ndarray, pinned: bool = False, gpu_hash: bool
     stored = batch["stored"].astype(np.int64)
     fo = batch["offset"].astype(np.int64)
     n = len(batch)
+    if n and not pinned and getattr(fd, "mem", None) is not None:
+        # an in-memory source (storage.FileObjectSource.view): the chunks are verified and
+        # decoded where they lie, nothing is copied
+        lo = int(fo.min())
+        buf = fd.view(lo, int((fo + stored).max()) - lo)
+        offs = fo - lo
+        host = np.ones(n, dtype=bool) if defer is None else ~defer
+        ks = np.nonzero(host)[0]
+        if len(ks):
+            sums = checksums(buf.numpy(), offs, stored, host)
+            _verify(batch, ks, np.fromiter((sums[k] for k in ks.tolist()), dtype=np.uint64, count=len(ks)))
+        return buf, offs.tolist(), None
     span = int(fo[-1] + stored[-1] - fo[0]) if n else 0
     in_order = n > 0 and bool(np.all(fo[1:] >= fo[:-1] + stored[:-1]))
     if in_order and span <= int(stored.sum()) + ALIGN * n:  # one read covers the batch
