@@ -146,6 +146,15 @@ def test_native_zstd_encode_round_trips(sizes, kind, seed):
     offs = np.concatenate([[0], np.cumsum(sizes[:-1])]).astype(np.int64).tolist()
     dst, doffs, dsizes = ccpu.ZstdCPU(planes=1).encode(data, offs, sizes)
     raw = dst.numpy()
+    keep = ccpu.ZSTD_PARALLEL_BYTES
+    try:  # split between the pool's threads or all on one: the same frames
+        for at in (0, 1 << 40):
+            ccpu.ZSTD_PARALLEL_BYTES = at
+            d2, o2, n2 = ccpu.ZstdCPU(planes=1).encode(data, offs, sizes)
+            assert list(n2) == list(dsizes)
+            assert all(bytes(d2.numpy()[a:a + n]) == bytes(raw[b:b + n]) for a, b, n in zip(o2, doffs, dsizes))
+    finally:
+        ccpu.ZSTD_PARALLEL_BYTES = keep
     for o, n, so, sn in zip(doffs, dsizes, offs, sizes):
         frame = raw[o:o + n].tobytes()
         assert zstandard.frame_content_size(frame) == sn

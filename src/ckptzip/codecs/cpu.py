@@ -193,13 +193,20 @@ def _bounds(sizes: np.ndarray) -> np.ndarray:
     return sizes + (sizes >> 8) + np.where(small > 0, small >> 11, 0)
 
 
+#: zstd calls over at least this many bytes are split between the pool's threads: zstd runs at
+#: 0.35-1.3 GB/s per core (byte planes, compress / decompress), so far smaller work pays for
+#: the pool than the byteplane passes' PARALLEL_BYTES (a CPU save's 8 MiB groups had 2-3 MB of
+#: coded planes each, compressed on one thread in 6.6-8 ms)
+ZSTD_PARALLEL_BYTES = 512 << 10
+
+
 def _native_runs(call: Callable, cols: list, sizes: np.ndarray) -> None:
     """``call(*(c[run] for c in cols))`` (a :mod:`ckptzip._bpnative` zstd call over chunks) for
     runs of chunks of about equal ``sizes`` bytes on the CPU pool, one run for small work; the
     first ``(index, message)`` a call returns becomes a CodecError naming the chunk (index -1:
     the call as a whole)."""
     n = len(sizes)
-    rs = runs(sizes.tolist(), cpu_threads()) if int(sizes.sum()) >= PARALLEL_BYTES else [range(n)]
+    rs = runs(sizes.tolist(), cpu_threads()) if int(sizes.sum()) >= ZSTD_PARALLEL_BYTES else [range(n)]
     errs = pmap(lambda k: call(*(c[rs[k].start:rs[k].stop] for c in cols)), len(rs))
     for r, e in zip(rs, errs):
         if e is not None:
