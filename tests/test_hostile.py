@@ -445,6 +445,12 @@ def test_bytesio_is_decoded_in_place_and_never_changed(tmp_path, monkeypatch):
     with pytest.raises(ckptzip.TruncatedFileError):
         src.view(len(before) - 3, 4)
 
+    class Mutable(io.BytesIO):  # a subclass whose getvalue() is not an immutable snapshot
+        def getvalue(self):
+            return bytearray(super().getvalue())
+    assert FileObjectSource(Mutable(before)).mem is None
+    assert_same(obj, ckptzip.load(Mutable(before)))
+
 
 def _at(data: bytes, start: int) -> io.BytesIO:
     b = io.BytesIO(data)

@@ -286,7 +286,7 @@ class FileObjectSource:
         self.mem = None  # a uint8 tensor over the snapshot's bytes from the start, or None
         if isinstance(f, io.BytesIO) and self.size > 0:
             snap = f.getvalue()
-            if len(snap) == self._start + self.size:
+            if type(snap) is bytes and len(snap) == self._start + self.size:  # (not a subclass's own buffer)
                 import warnings
                 import torch
                 with warnings.catch_warnings():  # (bytes are read-only: ckptzip never writes a source)
