@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -445,11 +446,34 @@ def test_bytesio_is_decoded_in_place_and_never_changed(tmp_path, monkeypatch):
     with pytest.raises(ckptzip.TruncatedFileError):
         src.view(len(before) - 3, 4)
 
-    class Mutable(io.BytesIO):  # a subclass whose getvalue() is not an immutable snapshot
-        def getvalue(self):
-            return bytearray(super().getvalue())
-    assert FileObjectSource(Mutable(before)).mem is None
-    assert_same(obj, ckptzip.load(Mutable(before)))
+
+    class Masked(io.BytesIO):  # a subclass that reads its own way: read through it, as before
+        def readinto(self, b):
+            n = super().readinto(b)
+            memoryview(b)[:n] = bytes(x ^ 0x5A for x in memoryview(b)[:n])
+            return n
+    assert FileObjectSource(Masked(bytes(x ^ 0x5A for x in before))).mem is None
+    assert_same(obj, ckptzip.load(Masked(bytes(x ^ 0x5A for x in before))))
+    # no warning, and the process's warning filters untouched, with loads on several threads
+    filters, interval = list(warnings.filters), sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (threads switch often: a race on the filters would show)
+    try:
+        end = time.monotonic() + 0.5
+
+        def opens() -> None:
+            while time.monotonic() < end:
+                FileObjectSource(io.BytesIO(before))
+        ts = [threading.Thread(target=opens) for _ in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert warnings.filters == filters
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same(obj, ckptzip.load(io.BytesIO(before)))
 
 
 def _at(data: bytes, start: int) -> io.BytesIO:

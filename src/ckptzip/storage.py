@@ -284,14 +284,10 @@ class FileObjectSource:
         self.size = f.seek(0, os.SEEK_END) - self._start
         f.seek(self._start)
         self.mem = None  # a uint8 tensor over the snapshot's bytes from the start, or None
-        if isinstance(f, io.BytesIO) and self.size > 0:
+        if type(f) is io.BytesIO and self.size > 0:  # (a subclass may read otherwise: it reads itself)
             snap = f.getvalue()
-            if type(snap) is bytes and len(snap) == self._start + self.size:  # (not a subclass's own buffer)
-                import warnings
-                import torch
-                with warnings.catch_warnings():  # (bytes are read-only: ckptzip never writes a source)
-                    warnings.simplefilter("ignore")
-                    self.mem = torch.frombuffer(snap, dtype=torch.uint8)[self._start:]
+            if type(snap) is bytes and len(snap) == self._start + self.size:
+                self.mem = _bytes_tensor(snap)[self._start:]
 
     def view(self, offset: int, n: int):
         """The source's bytes ``offset:offset + n`` as a uint8 tensor that shares them (never
@@ -324,7 +320,19 @@ class FileObjectSource:
                 got += k
 
     def close(self) -> None:
-        self.mem = None  # (the caller's file stays open)
+        pass  # the caller's file stays open (the snapshot goes with this object)
+
+
+def _bytes_tensor(b: bytes):
+    """A uint8 tensor over the bytes of ``b`` (no copy; it keeps ``b`` alive). torch takes only
+    writable buffers without a warning, so the tensor is made over a ctypes array at the same
+    address (ckptzip never writes a source; silencing the warning instead would change the
+    process's warning filters, which is not thread-safe)."""
+    import ctypes
+    import torch
+    arr = (ctypes.c_ubyte * len(b)).from_address(ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value)
+    arr._keep = b
+    return torch.frombuffer(arr, dtype=torch.uint8)
 
 
 def is_file_object(x) -> bool:

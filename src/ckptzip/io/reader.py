@@ -41,7 +41,8 @@ def read_stored(fd: int, batch: np.ndarray, pinned: bool = False, gpu_hash: bool
     Third: None, or with ``gpu_hash`` the indices of the chunks not verified here (more than 240
     bytes at 8-byte aligned offsets), for the caller to verify on the GPU. ``defer``: a mask of
     chunks not verified here either; the caller verifies them (:func:`verify`) before it decodes
-    them."""
+    them. From an in-memory source (``storage.FileObjectSource.mem``), the buffer is a view of the
+    source's own bytes, not a copy: callers only read it."""
     stored = batch["stored"].astype(np.int64)
     fo = batch["offset"].astype(np.int64)
     n = len(batch)
