@@ -428,6 +428,21 @@ def test_bytesio_is_decoded_in_place_and_never_changed(tmp_path, monkeypatch):
         assert_same(obj, ckptzip.load(bio))
     assert seen and all(seen)
     assert bio.getvalue() == before
+    # the reader thread, which reads nothing here, verifies the fused chunks (files: the
+    # decoding threads do, see test_engine)
+    plans = []
+    real_plan = decode._fused_plan
+    monkeypatch.setattr(decode, "_fused_plan", lambda rows, grp: plans.append(real_plan(rows, grp)) or plans[-1])
+    monkeypatch.setattr(decode, "read_stored", real)
+    verified = []
+    real_read = real
+
+    def spy2(src, rows, **kw):
+        verified.append(kw.get("defer") is None)
+        return real_read(src, rows, **kw)
+    monkeypatch.setattr(decode, "read_stored", spy2)
+    assert_same(obj, ckptzip.load(io.BytesIO(before)))
+    assert any(pl is not None and pl.verify for pl in plans) and verified and all(verified)
     r = ckptzip.open(bio)
     bio.seek(0)
     bio.write(b"\0" * len(before))  # (copy-on-write: the reader's snapshot keeps the old bytes)
