@@ -53,10 +53,7 @@ def read_stored(fd: int, batch: np.ndarray, pinned: bool = False, gpu_hash: bool
         buf = fd.view(lo, int((fo + stored).max()) - lo)
         offs = fo - lo
         host = np.ones(n, dtype=bool) if defer is None else ~defer
-        ks = np.nonzero(host)[0]
-        if len(ks):
-            sums = checksums(buf.numpy(), offs, stored, host)
-            _verify(batch, ks, np.fromiter((sums[k] for k in ks.tolist()), dtype=np.uint64, count=len(ks)))
+        _verify_hashed(batch, host, checksums(buf.numpy(), offs, stored, host))
         return buf, offs.tolist(), None
     span = int(fo[-1] + stored[-1] - fo[0]) if n else 0
     in_order = n > 0 and bool(np.all(fo[1:] >= fo[:-1] + stored[:-1]))
@@ -124,9 +121,14 @@ def _read_into(fd, batch: np.ndarray, buf: torch.Tensor, fo: np.ndarray, offs: n
         sums = checksums(b, offs, stored, host)
     if n:
         will_need(fd, int(fo[-1] + stored[-1]))
+    _verify_hashed(batch, host, sums)
+    return ol
+
+
+def _verify_hashed(batch: np.ndarray, host: np.ndarray, sums: list[int | None]) -> None:
+    """:func:`_verify` for the chunks ``host`` marks, whose XXH3 :func:`checksums` gave in ``sums``."""
     ks = np.nonzero(host)[0]
     _verify(batch, ks, np.fromiter((sums[k] for k in ks.tolist()), dtype=np.uint64, count=len(ks)))
-    return ol
 
 
 def verify(buf: np.ndarray, offs: np.ndarray, batch: np.ndarray) -> None:
