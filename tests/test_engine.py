@@ -1,5 +1,6 @@
 """The engine's parts on their own: planning (windows, units, groups), memory (pinned pool,
 segment copies), packing. End-to-end behaviour is in test_roundtrip.py and test_gpu.py."""
+import io
 import os
 
 import numpy as np
@@ -885,6 +886,73 @@ def test_pmap_returns_or_raises_only_when_every_item_is_done():
     with pytest.raises(ValueError, match="piece 0"):
         pmap(fn, 4)
     assert sorted(done) == [1, 2, 3]
+
+
+def test_pmap_balanced_runs_every_item_once_costliest_first():
+    """The fused decode's scheduler: every item runs exactly once, tasks start with the
+    costliest items, cheap items share tasks of at least ``least``, and the first error is
+    raised only after every other item has finished."""
+    import threading
+    import time
+    from ckptzip.codecs import cpu as ccpu
+    costs = [5.0, 1.0, 9.0, 1.0, 1.0, 7.0, 0.5, 0.5]
+    ran, lock = [], threading.Lock()
+
+    def fn(k):
+        with lock:
+            ran.append(k)
+    ccpu.pmap_balanced(fn, costs, least=2.0)
+    assert sorted(ran) == list(range(len(costs)))
+    tasks = []
+    real = ccpu.pmap
+    try:
+        ccpu.pmap = lambda f, n: tasks.append(n) or real(f, n)
+        ran.clear()
+        ccpu.pmap_balanced(lambda k: ran.append(k), costs, least=2.0)
+    finally:
+        ccpu.pmap = real
+    assert tasks == [5]  # 9 | 7 | 5 | 1+1 | 1+0.5+0.5
+    done = []
+
+    def bad(k):
+        if k == 2:
+            raise ValueError("piece 2")
+        time.sleep(0.05)
+        done.append(k)
+    with pytest.raises(ValueError, match="piece 2"):
+        ccpu.pmap_balanced(bad, costs, least=0.0)
+    assert sorted(done) == [0, 1, 3, 4, 5, 6, 7]
+
+
+def test_load_outputs_are_freed_without_the_garbage_collector(tmp_path):
+    """A load leaves no reference cycle holding its jobs or tensors: the caller's ``del`` frees
+    the loaded storages at once (a recursive closure in the job planning kept every job, and so
+    every output, alive until the collector ran; the next load faulted in new memory)."""
+    import gc
+    from ckptzip.engine import Job
+    g = torch.Generator().manual_seed(1)
+    obj = {"w": torch.randn(200_000, generator=g), "v": torch.randn(9, generator=g).bfloat16(), "i": torch.arange(9)}
+    p = tmp_path / "c.ckz"
+    ckptzip.save(obj, p)
+    b = io.BytesIO()
+    ckptzip.save(obj, b)
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for src in (p, io.BytesIO(b.getvalue())):
+            out = ckptzip.load(src)
+            del out
+            gc.collect()
+            held = [x for x in gc.garbage if isinstance(x, (Job, torch.Tensor))]
+            gc.garbage.clear()
+            assert not held
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if was:
+            gc.enable()
 
 
 def _mixed_small_file(tmp_path, monkeypatch):

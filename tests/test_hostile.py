@@ -428,21 +428,27 @@ def test_bytesio_is_decoded_in_place_and_never_changed(tmp_path, monkeypatch):
         assert_same(obj, ckptzip.load(bio))
     assert seen and all(seen)
     assert bio.getvalue() == before
-    # the reader thread, which reads nothing here, verifies the fused chunks (files: the
-    # decoding threads do, see test_engine)
-    plans = []
-    real_plan = decode._fused_plan
+    # the decoding pieces verify the fused chunks, each chunk once, before decoding it (as
+    # for files: see test_engine); read_stored leaves them to the pieces
+    plans, deferred, checked = [], [], []
+    real_plan, real_verify = decode._fused_plan, decode.verify
     monkeypatch.setattr(decode, "_fused_plan", lambda rows, grp: plans.append(real_plan(rows, grp)) or plans[-1])
-    monkeypatch.setattr(decode, "read_stored", real)
-    verified = []
-    real_read = real
 
     def spy2(src, rows, **kw):
-        verified.append(kw.get("defer") is None)
-        return real_read(src, rows, **kw)
+        deferred.append(kw.get("defer"))
+        return real(src, rows, **kw)
+
+    def spy_verify(buf, offs, batch):
+        checked.extend(batch["offset"].tolist())
+        return real_verify(buf, offs, batch)
     monkeypatch.setattr(decode, "read_stored", spy2)
+    monkeypatch.setattr(decode, "verify", spy_verify)
     assert_same(obj, ckptzip.load(io.BytesIO(before)))
-    assert any(pl is not None and pl.verify for pl in plans) and verified and all(verified)
+    fused = [pl for pl in plans if pl is not None]
+    assert fused and all(pl.verify for pl in fused) and len(deferred) == len(plans)
+    assert all(d is not None for pl, d in zip(plans, deferred) if pl is not None)
+    assert sorted(checked) == sorted(set(checked))  # (no chunk verified twice)
+    assert len(checked) == sum(int(d.sum()) for d in deferred if d is not None)
     r = ckptzip.open(bio)
     bio.seek(0)
     bio.write(b"\0" * len(before))  # (copy-on-write: the reader's snapshot keeps the old bytes)

@@ -143,6 +143,29 @@ DEFAULT_EXPANSION = 4096
 DEFAULT_MIN_BYTES = 1 << 30
 
 
+def _ref_levels(jobs: dict[int, Job]) -> dict[int, int]:
+    """Each job's depth in its chain of local references (0: refers to no storage of this file;
+    validate.py refused cycles). A loop, not a recursive closure: a closure that calls itself is a
+    reference cycle, which kept every job, and so every output tensor of a load, alive until the
+    garbage collector ran (a caller's ``del`` freed nothing; the next load faulted in new pages)."""
+    level: dict[int, int] = {}
+    for i in jobs:
+        chain = []
+        k = i
+        while k not in level:
+            r = jobs[k].ref
+            if r is None or not r.local:
+                level[k] = 0
+                break
+            chain.append(k)
+            k = r.storage
+            if len(chain) > len(jobs):  # (unreachable after validate.py)
+                raise CorruptFileError("storage references form a cycle")
+        for d, k2 in enumerate(reversed(chain), 1):
+            level[k2] = level[k] + d
+    return level
+
+
 class CheckpointReader:
     """Lazy reader over one .ckz file: keys, metadata and single tensors without reading the rest.
 
@@ -357,15 +380,7 @@ class CheckpointReader:
                     self._check_budget(asked + extra, "the requested storages with those they refer to")
                     need[k] = empty_bytes(self.storages[k]["nbytes"], need[i].device)
                 todo.append(k)
-        level: dict[int, int] = {}
-
-        def lvl(i: int) -> int:  # validate.py refused cycles
-            if i not in level:
-                r = jobs[i].ref
-                level[i] = 1 + lvl(r.storage) if r is not None and r.local else 0
-            return level[i]
-        for i in jobs:
-            lvl(i)
+        level = _ref_levels(jobs)
         order = sorted(jobs, key=lambda i: (level[i], i))
         # storages against a base file (xor, delta) first get their base storage, decoded from
         # that file by jobs that run first in the same pipelined pass (a group never mixes

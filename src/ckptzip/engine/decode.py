@@ -16,7 +16,7 @@ from .. import native
 from ..codecs import _capi
 from ..codecs import cpu as ccpu
 from ..codecs.base import Codec, get_codec
-from ..codecs.cpu import cpu_threads, pmap, pmap_sized, runs
+from ..codecs.cpu import cpu_threads, pmap, pmap_balanced, pmap_sized, runs
 from ..codecs.gpu import release_scratch
 from ..errors import ChecksumError, CodecError, CorruptFileError
 from ..format import FLAG_STORED_RAW
@@ -35,6 +35,9 @@ from .plan import DEFAULT_WINDOW, codec_key
 #: start, 4 MiB of words each for the writer's 1 MiB chunks: a 16 MiB group kept 16 cores to 4)
 CPU_GROUP = 16 << 20
 CPU_GROUP_PER_THREAD = 4 << 20
+#: the same from memory (a BytesIO): nothing to read ahead, so groups are larger (fewer waits for
+#: a group's last piece); see docs/benchmarks.md, "Twenty-second session"
+MEM_GROUP = 64 << 20
 #: CPU groups of local files read their raw chunks straight into the decode stream
 #: (io.reader.read_split); False: into the read buffer, copied afterwards (tests cover both)
 SPLIT_READS = True
@@ -60,6 +63,12 @@ SMALL_INVERSE = 64 << 10
 #: read buffers (decode groups) in flight: the caller holds up to two (one decoding on the
 #: GPU), the reader fills the others ahead of it
 READ_AHEAD = 4
+#: fused batches are cut into pieces of about 1/PIECES_PER_THREAD of a thread's share (at least
+#: PIECE_MIN bytes; cuts fall where every plane has a chunk start), which the pool's threads take
+#: costliest first as they come free: one piece per thread left a thread idle for up to half
+#: of a group (pieces of the same size decode 2-4x apart in time)
+PIECES_PER_THREAD = 8
+PIECE_MIN = 256 << 10
 
 
 def storage_chain(s: dict[str, Any], device: str, cache: dict | None = None, parsed: list | None = None
@@ -184,7 +193,8 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     an error it raises ends the decode."""
     if not any(job.codec.device == "cuda" for job in jobs):
         # (the reader's next group overlaps this one's decoding)
-        window = min(window, max(CPU_GROUP, CPU_GROUP_PER_THREAD * cpu_threads()))
+        window = min(window, max(MEM_GROUP if getattr(fd, "mem", None) is not None else CPU_GROUP,
+                                 CPU_GROUP_PER_THREAD * cpu_threads()))
     breaks = set(breaks)
     items = []
     pending = False  # a break whose job had no batch (an empty storage) goes to the next batch made
@@ -216,40 +226,49 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
         free.put(slot)
     stop = threading.Event()
 
+    def prepare(grp: list) -> tuple:
+        """One group's read (or, from memory, its views) and fused plan, as the decode loop takes it."""
+        rows = _cat_rows([job.rows[i:j] for job, i, j, _a, _b in grp])
+        # chunks hashed on the GPU are decoded before they are verified: only for codecs
+        # whose decoders are bounded on any input (a damaged Zstd chunk hung nvCOMP)
+        gpu_hash = (tk is not None and grp[0][0].codec.device == "cuda"
+                    and all(job.codec.decodes_unverified for job, *_ in grp))
+        src = fd if grp[0][0].fd is None else grp[0][0].fd
+        pre = None
+        cpu = grp[0][0].codec.device == "cpu" and all(job.out.device.type == "cpu" for job, *_ in grp)
+        plan = _fused_plan(rows, grp) if cpu else None
+        # (the fused batches' chunks are verified by the decoding threads, each piece's
+        # just before it is decoded: in parallel, not all on this thread before any decode)
+        defer = plan.rows if plan is not None and plan.verify else None
+        to_stream = rows["flags"] == FLAG_STORED_RAW
+        if plan is not None:  # (the fused batches' stored planes are read into the buffer)
+            to_stream &= ~plan.rows
+        if SPLIT_READS and native.lib is not None and isinstance(src, int) and cpu and bool(to_stream.any()):
+            # CPU group: raw chunks read straight into the stream
+            pre = group_stream(rows, grp, "cpu", filled=True)
+            host, soffs = read_split(src, rows, pre.stream.numpy(), pre.roffs, to_stream, defer)
+            later = None
+        else:
+            host, soffs, later = read_stored(src, rows, pinned=gpu, gpu_hash=gpu_hash, defer=defer)
+        return host, soffs, rows, later, (pre, plan), None
+
+    if not gpu and getattr(fd, "mem", None) is not None and all(job.fd is None for job in jobs):
+        # from memory there is nothing to read ahead: each group is prepared on this thread
+        # just before its decode, with no reader thread to start and hand over to
+        todo = iter(grouped)
+        if idle is not None:
+            idle()
+        with _capi.deferred_checks():
+            _decode_loop(grouped, lambda: (0, *prepare(next(todo))), lambda _slot: None, progress, tk)
+        return
+
     def reader() -> None:
         try:
             for grp in grouped:
                 if stop.is_set():
                     return
                 slot = free.get()
-                rows = _cat_rows([job.rows[i:j] for job, i, j, _a, _b in grp])
-                # chunks hashed on the GPU are decoded before they are verified: only for codecs
-                # whose decoders are bounded on any input (a damaged Zstd chunk hung nvCOMP)
-                gpu_hash = (tk is not None and grp[0][0].codec.device == "cuda"
-                            and all(job.codec.decodes_unverified for job, *_ in grp))
-                src = fd if grp[0][0].fd is None else grp[0][0].fd
-                pre = None
-                cpu = grp[0][0].codec.device == "cpu" and all(job.out.device.type == "cpu" for job, *_ in grp)
-                plan = _fused_plan(rows, grp) if cpu else None
-                if plan is not None and plan.verify and getattr(src, "mem", None) is not None:
-                    # an in-memory source: this thread reads nothing, so it verifies the group
-                    # while the previous one decodes (2-core loads from memory: faster in 5 of
-                    # 6 interleaved medians, by 1-5 %; docs/benchmarks.md, twenty-first session)
-                    plan = plan._replace(verify=False)
-                # (the fused batches' chunks are verified by the decoding threads, each piece's
-                # just before it is decoded: in parallel, not all on this thread before any decode)
-                defer = plan.rows if plan is not None and plan.verify else None
-                to_stream = rows["flags"] == FLAG_STORED_RAW
-                if plan is not None:  # (the fused batches' stored planes are read into the buffer)
-                    to_stream &= ~plan.rows
-                if SPLIT_READS and native.lib is not None and isinstance(src, int) and cpu and bool(to_stream.any()):
-                    # CPU group: raw chunks read straight into the stream
-                    pre = group_stream(rows, grp, "cpu", filled=True)
-                    host, soffs = read_split(src, rows, pre.stream.numpy(), pre.roffs, to_stream, defer)
-                    later = None
-                else:
-                    host, soffs, later = read_stored(src, rows, pinned=gpu, gpu_hash=gpu_hash, defer=defer)
-                q.put((slot, host, soffs, rows, later, (pre, plan), None))
+                q.put((slot, *prepare(grp)))
         except BaseException as e:  # re-raised by the consumer
             q.put((None, None, None, None, None, (None, None), e))
 
@@ -259,7 +278,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
         if idle is not None:
             idle()
         with _capi.deferred_checks():
-            _decode_loop(grouped, q, free, progress, tk)
+            _decode_loop(grouped, q.get, free.put, progress, tk)
     finally:
         stop.set()
         release_scratch()
@@ -281,7 +300,7 @@ def _cat_rows(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate([np.ascontiguousarray(p).view(np.uint8) for p in parts]).view(parts[0].dtype)
 
 
-def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress, tk=None) -> None:
+def _decode_loop(grouped: list, take: Callable[[], tuple], give: Callable[[int], None], progress, tk=None) -> None:
     """Consume what the reader thread queued: decode each group, hand its slot back. On the GPU
     a group's host buffer is handed back once the GPU is done with it, which the loop waits for
     only after it has queued the next group's work (the host launches group k while the GPU
@@ -296,10 +315,10 @@ def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress, tk=
         _verify_gpu_hashes(hashed)
         _capi.check_decodes(upto=mark)
         PINNED.release(host)
-        free.put(slot)
+        give(slot)
 
     for grp in grouped:
-        slot, host, soffs, rows, later, (pre, plan), err = q.get()
+        slot, host, soffs, rows, later, (pre, plan), err = take()
         if err is not None:
             raise err
         work = grp[0][0].codec.device
@@ -327,7 +346,7 @@ def _decode_loop(grouped: list, q: queue.Queue, free: queue.Queue, progress, tk=
                 finish(prev)
                 prev = None
             PINNED.release(host)  # (after an error it is not reused: the lease just lapses)
-            free.put(slot)
+            give(slot)
         if progress and grp[0][0].fd is None:  # (a base file's storages are not counted)
             progress(sum(b - a for _j, _i, _jj, a, b in grp))
     if prev is not None:
@@ -601,7 +620,7 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: n
     piece's chunks are verified by its thread just before it decodes them."""
     threads = cpu_threads()
     total = sum(b - a for _job, a, b, _r0, _t in plan.items)
-    share = max(ccpu.PARALLEL_BYTES // 2, -(-total // threads))
+    share = max(PIECE_MIN, -(-total // (PIECES_PER_THREAD * threads)))
     work = []  # (item, first word, end word, bytes)
     for it in plan.items:
         job, a, b, _r0, t = it
@@ -635,7 +654,17 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: n
             w = job.tf.width
             piece = job.out[a + w0 * w:a + w1 * w]
             job.ref.decode(piece, piece, start=a + w0 * w)
-    pmap_sized(one, [n for *_x, n in work])
+    pmap_balanced(one, [_piece_cost(it, w0, w1) for it, w0, w1, _n in work], PIECE_MIN)
+
+
+def _piece_cost(item, w0: int, w1: int) -> float:
+    """Estimated decode time of words ``w0:w1`` of a fused batch, in units of a byte assembled
+    from stored planes: a zstd-coded byte costs about 4 (the 2-core VM: 0.6-1.7 GB/s a core
+    for zstd frames of byte planes, 5-8 GB/s for the assembly)."""
+    t = item[4]
+    lo, hi = np.maximum(t[1], w0), np.minimum(t[1] + t[2], w1)
+    coded = int(np.sum(np.where((t[0] >= 256) & (hi > lo), hi - lo, 0)))
+    return (w1 - w0) * item[0].tf.width + 3 * coded
 
 
 def _np_copy_segments(src: np.ndarray, soffs: np.ndarray, dst: np.ndarray, doffs: np.ndarray,
