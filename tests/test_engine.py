@@ -888,30 +888,30 @@ def test_pmap_returns_or_raises_only_when_every_item_is_done():
     assert sorted(done) == [1, 2, 3]
 
 
-def test_pmap_balanced_runs_every_item_once_costliest_first():
-    """The fused decode's scheduler: every item runs exactly once, tasks start with the
-    costliest items, cheap items share tasks of at least ``least``, and the first error is
-    raised only after every other item has finished."""
+def test_pmap_balanced_runs_every_item_once_costliest_first(monkeypatch):
+    """The fused decode's scheduler: every item runs exactly once, the costliest first; the
+    calling thread takes tasks too; the first error is raised only after every other item has
+    finished."""
     import threading
     import time
     from ckptzip.codecs import cpu as ccpu
     costs = [5.0, 1.0, 9.0, 1.0, 1.0, 7.0, 0.5, 0.5]
-    ran, lock = [], threading.Lock()
+    ran, who, lock = [], set(), threading.Lock()
 
     def fn(k):
+        time.sleep(0.01)
         with lock:
             ran.append(k)
+            who.add(threading.current_thread().name)
+    monkeypatch.setattr(ccpu, "cpu_threads", lambda: 2)
     ccpu.pmap_balanced(fn, costs, least=2.0)
     assert sorted(ran) == list(range(len(costs)))
-    tasks = []
-    real = ccpu.pmap
-    try:
-        ccpu.pmap = lambda f, n: tasks.append(n) or real(f, n)
-        ran.clear()
-        ccpu.pmap_balanced(lambda k: ran.append(k), costs, least=2.0)
-    finally:
-        ccpu.pmap = real
-    assert tasks == [5]  # 9 | 7 | 5 | 1+1 | 1+0.5+0.5
+    assert "MainThread" in who and any(n.startswith("ckptzip_") for n in who)
+    monkeypatch.setattr(ccpu, "cpu_threads", lambda: 1)  # (one thread: the order itself)
+    ran.clear()
+    ccpu.pmap_balanced(fn, costs, least=2.0)
+    assert ran == [2, 5, 0, 1, 3, 4, 6, 7]
+    monkeypatch.setattr(ccpu, "cpu_threads", lambda: 2)
     done = []
 
     def bad(k):
@@ -922,6 +922,31 @@ def test_pmap_balanced_runs_every_item_once_costliest_first():
     with pytest.raises(ValueError, match="piece 2"):
         ccpu.pmap_balanced(bad, costs, least=0.0)
     assert sorted(done) == [0, 1, 3, 4, 5, 6, 7]
+
+
+def test_raw_plane_estimates_made_ahead_give_the_same_file(monkeypatch):
+    """CPU saves estimate their raw planes on a pool thread while planning goes on: the file is
+    byte for byte the one the estimates made in turn give, and every estimate is used."""
+    from ckptzip.engine import planner as P
+    g = torch.Generator().manual_seed(2)
+    obj = {f"w{i}": torch.randn(70_000 + 1000 * i, generator=g) * (i + 1) for i in range(4)}
+    obj["h"] = torch.randn(80_000, generator=g).bfloat16()
+    obj["small"] = torch.randn(100, generator=g)
+    obj["zeros"] = torch.zeros(90_000)
+    used = []
+    real = P.Planner._raw_planes
+
+    def spy(self, ref, width):
+        used.append(self._ahead is not None and id(ref) in self._ahead.result())
+        return real(self, ref, width)
+    monkeypatch.setattr(P.Planner, "_raw_planes", spy)
+    a = io.BytesIO()
+    ckptzip.save(obj, a, device="cpu")
+    assert used and sum(used) == 6  # (the 100-element storage is not estimated)
+    monkeypatch.setattr(P.Planner, "estimate_ahead", lambda self, refs: None)
+    b = io.BytesIO()
+    ckptzip.save(obj, b, device="cpu")
+    assert a.getvalue() == b.getvalue()
 
 
 def test_load_outputs_are_freed_without_the_garbage_collector(tmp_path):

@@ -574,7 +574,7 @@ static PyObject *py_plane_entropy(PyObject *self, PyObject *args) {
         const uint8_t *b = src.buf;
         double ent[8], total = (double)words;
         memset(h, 0, sizeof(h));
-        BEGIN_MAYBE(ns * run * w)
+        BEGIN_MAYBE(RELEASE_MIN) /* (always: saves estimate planes on a pool thread beside planning) */
         /* four histograms per plane, for words j % 4: a plane of few distinct values (exponents)
          * otherwise increments one counter back to back, each increment waiting for the last
          * (uint32 counts, flushed into h before they could overflow) */

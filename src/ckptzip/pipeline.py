@@ -76,6 +76,8 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
     enc = Encoder(allow_pickle=allow_pickle)
     root = enc.encode(obj)
     planner = Planner(codec, transform, chunk_size, level, device, portable, storage_gbps)
+    if not reuse_plan:  # (a reused plan needs no estimates)
+        planner.estimate_ahead(enc.storages)
     if window is None:
         window = (gpu_window(scratch_heavy=planner.scratch_heavy) if planner.dev == "cuda"
                   else CPU_FILE_WINDOW if stream else DEFAULT_WINDOW)
