@@ -937,7 +937,7 @@ def test_raw_plane_estimates_made_ahead_give_the_same_file(monkeypatch):
     real = P.Planner._raw_planes
 
     def spy(self, ref, width):
-        used.append(self._ahead is not None and id(ref) in self._ahead.result())
+        used.append(self._ahead is not None and id(ref) in self._ahead[1])
         return real(self, ref, width)
     monkeypatch.setattr(P.Planner, "_raw_planes", spy)
     a = io.BytesIO()

@@ -318,3 +318,37 @@ def test_native_pread_many_refuses_and_reports(tmp_path):
         os.close(fd)
     with pytest.raises(OSError):
         native.lib.pread_many(fd, buf, a(0), a(0), a(10), 2)  # closed descriptor
+
+
+def test_plane_entropy_many_equals_the_planner_estimate_per_storage():
+    """``plane_entropy_many`` (a save's estimates in one call, without the GIL) gives for every
+    buffer the entropies ``cpu_raw_planes`` computes one storage at a time, -1 for buffers of
+    fewer than 4 runs, and refuses bad widths and output sizes."""
+    import numpy as np
+    import pytest
+    from ckptzip import native
+    from ckptzip.engine import planner as P
+    if native.lib is None:
+        pytest.skip("the C extension is not built")
+    rng = np.random.default_rng(9)
+    run = P.CPU_ENTROPY_RUN
+    bufs = [(rng.standard_normal(4 * run + 17) * 1e-2).astype(np.float32).view(np.uint8),
+            (rng.standard_normal(9 * run)).astype(np.float16).view(np.uint8),
+            rng.integers(0, 256, 8 * (5 * run + 3), dtype=np.uint8),
+            np.zeros(4 * (4 * run - 1), np.uint8)]
+    widths = np.array([4, 2, 8, 4], np.int64)
+    bits = np.zeros((4, 8))
+    native.lib.plane_entropy_many(bufs, widths, bits, run)
+    for b, w, got in zip(bufs, widths.tolist(), bits):
+        n = len(b) // w
+        if n < 4 * run:
+            assert (got == -1).all()
+            continue
+        want = np.empty(w)
+        native.lib.plane_entropy(b, want, w, np.asarray([i * (n - run) // 3 for i in range(4)], np.int64), run)
+        assert np.array_equal(got[:w], want) and (got[w:] == -1).all()
+        assert P.cpu_raw_planes(torch.from_numpy(b), w) == frozenset(int(p) for p in np.nonzero(got[:w] > 8 * P.CPU_RAW_ENTROPY)[0])
+    for bad in ((bufs, np.array([4, 2, 3, 4], np.int64), bits, run), (bufs, widths, np.zeros((4, 7)), run),
+                (bufs, widths, bits, 0), ([1, 2, 3, 4], widths, bits, run)):
+        with pytest.raises((ValueError, TypeError)):
+            native.lib.plane_entropy_many(*bad)

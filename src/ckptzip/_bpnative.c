@@ -22,6 +22,9 @@
  *   plane_entropy(src, bits, width, starts, run)
  *       order-0 entropy (bits per byte, float64 x width) of every byte plane of the rotated
  *       words of the runs src[starts[i]:+run] (word indices): the CPU planner's sample
+ *   plane_entropy_many(srcs, widths, bits, run)
+ *       the same for many buffers at once, each over 4 runs spread as the planner spreads them,
+ *       in one call without the GIL (a save's estimates, on a pool thread beside planning)
  *   copy_segments(src, dst, soffs, doffs, lens)
  *       dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]] for every i (int64 arrays), every
  *       segment checked against both buffers before anything is copied
@@ -543,11 +546,72 @@ static void hist_flush(int64_t *h, uint32_t (*q)[8][256], int w) {
 #define CLOG_N 4096
 static double clog_tab[CLOG_N]; /* c * log2(c), filled when the module loads */
 
+/* Order-0 entropy (bits) of each of the w byte planes of the words b[st[i]:+run] (i < ns), the
+ * byteplane rotation applied, into ent[0..w); runs without the GIL (the caller checked the runs). */
+static void entropy_core(const uint8_t *b, int w, const int64_t *st, long long ns, long long run, double *ent) {
+    int64_t h[8 * 256];
+    double total = (double)(ns * run);
+    memset(h, 0, sizeof(h));
+    /* four histograms per plane, for words j % 4: a plane of few distinct values (exponents)
+     * otherwise increments one counter back to back, each increment waiting for the last
+     * (uint32 counts, flushed into h before they could overflow) */
+    uint32_t q[4][8][256];
+    for (int u = 0; u < 4; u++) memset(q[u], 0, (size_t)w * sizeof q[u][0]);
+    long long pending = 0;
+    for (long long i = 0; i < ns; i++) {
+        const uint8_t *p = b + st[i] * w;
+        for (long long j0 = 0; j0 < run; j0 += HIST_FLUSH) {
+            long long j1 = run - j0 < HIST_FLUSH ? run : j0 + HIST_FLUSH, j = j0;
+            if (w == 4) {
+                for (; j + 4 <= j1; j += 4) {
+                    for (int u = 0; u < 4; u++) {
+                        uint32_t a;
+                        memcpy(&a, p + 4 * (j + u), 4);
+                        a = (a << 1) | (a >> 31);
+                        q[u][0][a & 0xFF]++; q[u][1][(a >> 8) & 0xFF]++; q[u][2][(a >> 16) & 0xFF]++; q[u][3][a >> 24]++;
+                    }
+                }
+            } else if (w == 2) {
+                for (; j + 4 <= j1; j += 4) {
+                    for (int u = 0; u < 4; u++) {
+                        uint16_t a;
+                        memcpy(&a, p + 2 * (j + u), 2);
+                        a = (uint16_t)((a << 1) | (a >> 15));
+                        q[u][0][a & 0xFF]++; q[u][1][a >> 8]++;
+                    }
+                }
+            }
+            for (; j < j1; j++) { /* (8-byte words, and the tail of a run) */
+                uint64_t a = 0;
+                memcpy(&a, p + (size_t)w * j, (size_t)w);
+                a = (a << 1) | (a >> (8 * w - 1));
+                for (int k = 0; k < w; k++) q[0][k][(a >> (8 * k)) & 0xFF]++;
+            }
+            pending += j1 - j0;
+            if (pending >= HIST_FLUSH) {
+                hist_flush(h, q, w);
+                pending = 0;
+            }
+        }
+    }
+    hist_flush(h, q, w);
+    /* order-0 entropy: log2(total) - sum(c log2 c) / total, c log2 c from a table for the
+     * small counts of a sample's mantissa planes (a log2 per bin was a third of the time) */
+    for (int k = 0; k < w; k++) {
+        double sum = 0;
+        for (int v = 0; v < 256; v++) {
+            int64_t c = h[k * 256 + v];
+            if (c) sum += c < CLOG_N ? clog_tab[c] : (double)c * log2((double)c);
+        }
+        double e = total > 0 ? log2(total) - sum / total : 0;
+        ent[k] = e > 0 ? e : 0;
+    }
+}
+
 static PyObject *py_plane_entropy(PyObject *self, PyObject *args) {
     Py_buffer src = {0}, bits = {0}, starts = {0};
     int w;
     long long run;
-    int64_t h[8 * 256];
     (void)self;
     if (!PyArg_ParseTuple(args, "y*w*iy*L", &src, &bits, &w, &starts, &run)) return NULL;
     PyObject *ret = NULL;
@@ -571,64 +635,9 @@ static PyObject *py_plane_entropy(PyObject *self, PyObject *args) {
         goto done;
     }
     {
-        const uint8_t *b = src.buf;
-        double ent[8], total = (double)words;
-        memset(h, 0, sizeof(h));
-        BEGIN_MAYBE(RELEASE_MIN) /* (always: saves estimate planes on a pool thread beside planning) */
-        /* four histograms per plane, for words j % 4: a plane of few distinct values (exponents)
-         * otherwise increments one counter back to back, each increment waiting for the last
-         * (uint32 counts, flushed into h before they could overflow) */
-        uint32_t q[4][8][256];
-        for (int u = 0; u < 4; u++) memset(q[u], 0, (size_t)w * sizeof q[u][0]);
-        long long pending = 0;
-        for (long long i = 0; i < ns; i++) {
-            const uint8_t *p = b + st[i] * w;
-            for (long long j0 = 0; j0 < run; j0 += HIST_FLUSH) {
-                long long j1 = run - j0 < HIST_FLUSH ? run : j0 + HIST_FLUSH, j = j0;
-                if (w == 4) {
-                    for (; j + 4 <= j1; j += 4) {
-                        for (int u = 0; u < 4; u++) {
-                            uint32_t a;
-                            memcpy(&a, p + 4 * (j + u), 4);
-                            a = (a << 1) | (a >> 31);
-                            q[u][0][a & 0xFF]++; q[u][1][(a >> 8) & 0xFF]++; q[u][2][(a >> 16) & 0xFF]++; q[u][3][a >> 24]++;
-                        }
-                    }
-                } else if (w == 2) {
-                    for (; j + 4 <= j1; j += 4) {
-                        for (int u = 0; u < 4; u++) {
-                            uint16_t a;
-                            memcpy(&a, p + 2 * (j + u), 2);
-                            a = (uint16_t)((a << 1) | (a >> 15));
-                            q[u][0][a & 0xFF]++; q[u][1][a >> 8]++;
-                        }
-                    }
-                }
-                for (; j < j1; j++) { /* (8-byte words, and the tail of a run) */
-                    uint64_t a = 0;
-                    memcpy(&a, p + (size_t)w * j, (size_t)w);
-                    a = (a << 1) | (a >> (8 * w - 1));
-                    for (int k = 0; k < w; k++) q[0][k][(a >> (8 * k)) & 0xFF]++;
-                }
-                pending += j1 - j0;
-                if (pending >= HIST_FLUSH) {
-                    hist_flush(h, q, w);
-                    pending = 0;
-                }
-            }
-        }
-        hist_flush(h, q, w);
-        /* order-0 entropy: log2(total) - sum(c log2 c) / total, c log2 c from a table for the
-         * small counts of a sample's mantissa planes (a log2 per bin was a third of the time) */
-        for (int k = 0; k < w; k++) {
-            double sum = 0;
-            for (int v = 0; v < 256; v++) {
-                int64_t c = h[k * 256 + v];
-                if (c) sum += c < CLOG_N ? clog_tab[c] : (double)c * log2((double)c);
-            }
-            double e = total > 0 ? log2(total) - sum / total : 0;
-            ent[k] = e > 0 ? e : 0;
-        }
+        double ent[8];
+        BEGIN_MAYBE(words * w)
+        entropy_core(src.buf, w, st, ns, run, ent);
         END_MAYBE
         memcpy(bits.buf, ent, (size_t)w * sizeof(double));
     }
@@ -637,6 +646,63 @@ static PyObject *py_plane_entropy(PyObject *self, PyObject *args) {
 done:
     PyMem_Free(st);
     PyBuffer_Release(&src); PyBuffer_Release(&bits); PyBuffer_Release(&starts);
+    return ret;
+}
+
+/* plane_entropy_many(srcs, widths, bits, run): plane_entropy of each buffer srcs[i] (a sequence
+ * of buffers of whole words of widths[i] bytes, int64) over 4 runs of `run` words at words
+ * k * (n - run) / 3 (k < 4, n its words), the estimate of engine.planner.cpu_raw_planes, into
+ * bits[8 i:8 i + widths[i]] (float64); a buffer of fewer than 4 runs gets -1 for every plane.
+ * All of them in one call without the GIL: a save's planning thread holds the GIL, so a call per
+ * storage from a pool thread waited for it each time. */
+static PyObject *py_plane_entropy_many(PyObject *self, PyObject *args) {
+    PyObject *seq_in, *seq = NULL, *ret = NULL;
+    Py_buffer wb = {0}, bits = {0}, *bufs = NULL;
+    long long run;
+    Py_ssize_t n = 0, got = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Oy*w*L", &seq_in, &wb, &bits, &run)) return NULL;
+    if (!(seq = PySequence_Fast(seq_in, "plane_entropy_many: srcs must be a sequence"))) goto done;
+    n = PySequence_Fast_GET_SIZE(seq);
+    if (run < 1 || run > (1LL << 30) || wb.len != (Py_ssize_t)(8 * n) || bits.len != (Py_ssize_t)(64 * n)) {
+        PyErr_SetString(PyExc_ValueError, "plane_entropy_many: an int64 width and 8 float64 outputs per buffer, 1 <= run <= 2**30");
+        goto done;
+    }
+    if (!(bufs = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer)))) { PyErr_NoMemory(); goto done; }
+    int64_t wid[1];
+    for (got = 0; got < n; got++) {
+        memcpy(wid, (const char *)wb.buf + 8 * got, 8);
+        if (wid[0] != 2 && wid[0] != 4 && wid[0] != 8) {
+            PyErr_SetString(PyExc_ValueError, "plane_entropy_many: width 2, 4 or 8");
+            goto done;
+        }
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &bufs[got], PyBUF_SIMPLE)) goto done;
+    }
+    {
+        const int64_t *ws = wb.buf;
+        double *out = bits.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int w = (int)ws[i];
+            long long words = bufs[i].len / w;
+            double ent[8];
+            for (int k = 0; k < 8; k++) ent[k] = -1;
+            if (words >= 4 * run) {
+                int64_t st[4];
+                for (int k = 0; k < 4; k++) st[k] = k * (words - run) / 3;
+                entropy_core(bufs[i].buf, w, st, 4, run, ent);
+            }
+            memcpy(out + 8 * i, ent, sizeof ent);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    Py_INCREF(Py_None);
+    ret = Py_None;
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&wb); PyBuffer_Release(&bits);
     return ret;
 }
 
@@ -1200,6 +1266,8 @@ static PyMethodDef methods[] = {
     {"exp_ref", py_exp_ref, METH_VARARGS, "exp_ref(src, out, ref, sign): expref's residual / inverse"},
     {"plane_entropy", py_plane_entropy, METH_VARARGS,
      "plane_entropy(src, bits, width, starts, run): order-0 entropy of each byte plane of a sample"},
+    {"plane_entropy_many", py_plane_entropy_many, METH_VARARGS,
+     "plane_entropy_many(srcs, widths, bits, run): plane_entropy of many buffers' 4 spread runs, in one call"},
     {"copy_segments", py_copy_segments, METH_VARARGS,
      "copy_segments(src, dst, soffs, doffs, lens): dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]]"},
     {"encode", py_encode, METH_VARARGS, "encode(src, out, width, block, w0, w1): byte planes of words w0..w1"},
@@ -1228,7 +1296,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bpnative",
                                     NULL, NULL, NULL, NULL};
 
 /* what ckptzip.native checks: a build of another version of this file is not used */
-#define BPNATIVE_API 9
+#define BPNATIVE_API 10
 
 PyMODINIT_FUNC PyInit__bpnative(void) {
     for (int c = 1; c < CLOG_N; c++) clog_tab[c] = (double)c * log2((double)c);

@@ -134,24 +134,30 @@ class Planner:
 
     def estimate_ahead(self, refs: list[StorageRef]) -> None:
         """CPU saves: start the raw-plane estimates (:func:`cpu_raw_planes`) of every float
-        storage large enough to be estimated, on one of the CPU pool's threads (the C histogram
-        runs without the GIL), while the caller's thread goes on planning (the reference
-        searches of :mod:`refplan`, the object tree's keys); :meth:`base_plan` takes them from
-        there. A 2-core save of the fp32 benchmark state took 141 estimates, about 5 ms on the
-        caller's thread."""
+        storage large enough to be estimated, all in one call of the C extension without the
+        GIL on one of the CPU pool's threads, while the caller's thread goes on planning (the
+        reference searches of :mod:`refplan`, the object tree's keys); :meth:`base_plan` takes
+        them from there. A 2-core save of the fp32 benchmark state took 141 estimates, about
+        5 ms on the caller's thread."""
         if self.dev != "cpu" or self.transform not in ("auto", "byteplane") or native.lib is None:
             return
-        todo = [r for r in refs if r.float_width and r.data.numel() % r.float_width == 0
+        todo = [r for r in refs if r.float_width and r.data.device.type == "cpu" and r.data.numel() % r.float_width == 0
                 and r.data.numel() // r.float_width >= 4 * CPU_ENTROPY_RUN]
         if len(todo) > 1:
             from ..codecs.cpu import _pool
-            self._ahead = _pool().submit(lambda: {id(r): cpu_raw_planes(r.data, r.float_width) for r in todo})
+            widths = np.fromiter((r.float_width for r in todo), dtype=np.int64, count=len(todo))
+            bits = np.empty((len(todo), 8), dtype=np.float64)
+            srcs = [r.data.numpy() for r in todo]
+            fut = _pool().submit(native.lib.plane_entropy_many, srcs, widths, bits, CPU_ENTROPY_RUN)
+            self._ahead = (fut, {id(r): k for k, r in enumerate(todo)}, bits, widths)
 
     def _raw_planes(self, ref: StorageRef, width: int) -> frozenset:
         if self._ahead is not None and width == ref.float_width:
-            got = self._ahead.result().get(id(ref))
-            if got is not None:
-                return got
+            fut, index, bits, widths = self._ahead
+            k = index.get(id(ref))
+            if k is not None:
+                fut.result()
+                return frozenset(int(p) for p in np.nonzero(bits[k, :width] > 8 * CPU_RAW_ENTROPY)[0])
         return cpu_raw_planes(ref.data, width)
 
     def hold_rot16(self) -> None:
