@@ -949,6 +949,29 @@ def test_raw_plane_estimates_made_ahead_give_the_same_file(monkeypatch):
     assert a.getvalue() == b.getvalue()
 
 
+def test_cpu_save_pieces_and_runs_give_the_same_file(monkeypatch):
+    """A CPU save cuts its byteplane transforms into pieces (TF_PIECE) and its zstd calls into
+    runs (ZSTD_RUNS_PER_THREAD), taken by whichever thread is free: the file is byte for byte the
+    same however they are cut, and loads back exactly."""
+    from ckptzip.codecs import cpu as ccpu
+    from ckptzip.engine import encode as E
+    g = torch.Generator().manual_seed(4)
+    obj = {"w": torch.randn(700_000, generator=g), "h": torch.randn(300_001, generator=g).bfloat16(),
+           "m": torch.randn(5000, generator=g), "i": torch.arange(100_000)}
+    monkeypatch.setattr(ccpu, "ZSTD_PARALLEL_BYTES", 1 << 16)
+    outs = []
+    for piece, per in ((1 << 30, 1), (4096 + 8, 4), (1 << 16, 16)):
+        monkeypatch.setattr(E, "TF_PIECE", piece)
+        monkeypatch.setattr(ccpu, "ZSTD_RUNS_PER_THREAD", per)
+        b = io.BytesIO()
+        ckptzip.save(obj, b, device="cpu", chunk_size=64 << 10)
+        outs.append(b.getvalue())
+    assert outs[0] == outs[1] == outs[2]
+    got = ckptzip.load(io.BytesIO(outs[1]))
+    assert all(torch.equal(got[k].view(torch.uint8) if got[k].is_floating_point() else got[k],
+                           obj[k].view(torch.uint8) if obj[k].is_floating_point() else obj[k]) for k in obj)
+
+
 def test_load_outputs_are_freed_without_the_garbage_collector(tmp_path):
     """A load leaves no reference cycle holding its jobs or tensors: the caller's ``del`` frees
     the loaded storages at once (a recursive closure in the job planning kept every job, and so

@@ -246,14 +246,26 @@ def _bounds(sizes: np.ndarray) -> np.ndarray:
 ZSTD_PARALLEL_BYTES = 512 << 10
 
 
+#: zstd work over ZSTD_PARALLEL_BYTES is cut into this many runs per thread, taken largest first
+#: as threads come free: frames of exponent planes take about twice as long per byte as those
+#: of mantissa planes, and a storage's parts differ (weights, Adam's moments), so two runs of
+#: equal bytes left one thread idle for up to half of a call
+ZSTD_RUNS_PER_THREAD = 4
+
+
 def _native_runs(call: Callable, cols: list, sizes: np.ndarray) -> None:
     """``call(*(c[run] for c in cols))`` (a :mod:`ckptzip._bpnative` zstd call over chunks) for
-    runs of chunks of about equal ``sizes`` bytes on the CPU pool, one run for small work; the
-    first ``(index, message)`` a call returns becomes a CodecError naming the chunk (index -1:
-    the call as a whole)."""
+    runs of chunks of about equal ``sizes`` bytes, shared by the calling thread and the CPU
+    pool's (:func:`pmap_balanced`), one run for small work; the first ``(index, message)`` a
+    call returns becomes a CodecError naming the chunk (index -1: the call as a whole)."""
     n = len(sizes)
-    rs = runs(sizes.tolist(), cpu_threads()) if int(sizes.sum()) >= ZSTD_PARALLEL_BYTES else [range(n)]
-    errs = pmap(lambda k: call(*(c[rs[k].start:rs[k].stop] for c in cols)), len(rs))
+    big = int(sizes.sum()) >= ZSTD_PARALLEL_BYTES
+    rs = runs(sizes.tolist(), ZSTD_RUNS_PER_THREAD * cpu_threads()) if big else [range(n)]
+    errs: list = [None] * len(rs)
+
+    def one(k: int) -> None:
+        errs[k] = call(*(c[rs[k].start:rs[k].stop] for c in cols))
+    pmap_balanced(one, [float(sizes[r.start:r.stop].sum()) for r in rs], 0.0)
     for r, e in zip(rs, errs):
         if e is not None:
             raise CodecError(f"zstd: chunk {r.start + max(e[0], 0)} {e[1]}")

@@ -10,7 +10,7 @@ import torch
 
 from .. import native
 from ..codecs.base import Codec
-from ..codecs.cpu import pmap_sized
+from ..codecs.cpu import pmap_balanced, pmap_sized
 from ..format import FLAG_STORED_RAW, ROW
 from ..kernels import enabled, launch, triton_kernels
 from ..transforms import Transform
@@ -23,6 +23,8 @@ from .plan import Unit, codec_key
 #: loop on the encoding thread, one C call each: the general path (checks, the pool's runs) cost
 #: about 30 us per unit, more than the work for a model's norms, biases and counters
 SMALL_PLANES = 64 << 10
+#: larger CPU units are transformed in pieces of this many bytes (see encode_group_arrays)
+TF_PIECE = 1 << 20
 #: host tensors are moved to the GPU and transformed in slices of this size (whole transform
 #: blocks), so staging needs no window-sized GPU buffer
 STAGE_SLICE = 32 << 20
@@ -152,7 +154,21 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
                 enc(src.numpy(), out.numpy(), tf.width, tf.block, 0, src.numel() // tf.width)
             pmap_sized(one, [t[1].numel() for t in small], inline_small=True)
             cpu_tf = [t for t, sm in zip(cpu_tf, is_small) if not sm]
-    if cpu_tf:
+    if cpu_tf and native.lib is not None and all(type(t[0]) is BytePlane and t[0].rotate is None for t in cpu_tf):
+        # the group's byte planes in pieces of TF_PIECE bytes, shared by this thread and the
+        # pool's as they come free (a task per unit left one thread to do a 20 MB unit alone)
+        pieces = []  # (unit, first word, end word)
+        for k, (tf, src, _out) in enumerate(cpu_tf):
+            n, step = src.numel() // tf.width, max(1, TF_PIECE // tf.width)
+            pieces.extend((k, a, min(n, a + step)) for a in range(0, n, step))
+        enc = native.lib.encode
+
+        def piece(i: int) -> None:
+            k, a, b = pieces[i]
+            tf, src, out = cpu_tf[k]
+            enc(src.numpy(), out.numpy(), tf.width, tf.block, a, b)
+        pmap_balanced(piece, [float(b - a) * cpu_tf[k][0].width for k, a, b in pieces], TF_PIECE / 2)
+    elif cpu_tf:
         pmap_sized(lambda i: cpu_tf[i][0].encode(cpu_tf[i][1], out=cpu_tf[i][2]), [t[1].numel() for t in cpu_tf])
     # chunk bookkeeping in whole-group numpy passes (a few numpy calls per unit cost 10-20 us
     # each: most of a GPU snapshot's host time for the 745 storages of the benchmark state)
