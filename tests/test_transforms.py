@@ -352,3 +352,21 @@ def test_plane_entropy_many_equals_the_planner_estimate_per_storage():
                 (bufs, widths, bits, 0), ([1, 2, 3, 4], widths, bits, run)):
         with pytest.raises((ValueError, TypeError)):
             native.lib.plane_entropy_many(*bad)
+
+
+def test_top_entropy_is_plane_entropys_top_plane():
+    """``top_entropy`` (the exponent predictors' choice) counts the top plane alone: the same
+    value as ``plane_entropy``'s plane 3 over the same words, 0 for no words."""
+    import numpy as np
+    import pytest
+    from ckptzip import native
+    if native.lib is None:
+        pytest.skip("the C extension is not built")
+    rng = np.random.default_rng(11)
+    for words in (rng.integers(0, 2**32, 4099, dtype=np.uint64).astype(np.uint32),
+                  (rng.standard_normal(16384) * 1e-3).astype(np.float32).view(np.uint32),
+                  np.full(7, 0x7F800000, np.uint32), np.zeros(1, np.uint32)):
+        h = np.empty(4)
+        native.lib.plane_entropy(words.view(np.uint8), h, 4, np.zeros(1, np.int64), words.size)
+        assert abs(native.lib.top_entropy(words.view(np.uint8)) - h[3]) < 1e-12
+    assert native.lib.top_entropy(np.zeros(3, np.uint8)) == 0.0

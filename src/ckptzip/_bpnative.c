@@ -22,6 +22,8 @@
  *   plane_entropy(src, bits, width, starts, run)
  *       order-0 entropy (bits per byte, float64 x width) of every byte plane of the rotated
  *       words of the runs src[starts[i]:+run] (word indices): the CPU planner's sample
+ *   top_entropy(src)
+ *       the same for the top plane alone of 4-byte words (the float32 exponent field), as a float
  *   plane_entropy_many(srcs, widths, bits, run)
  *       the same for many buffers at once, each over 4 runs spread as the planner spreads them,
  *       in one call without the GIL (a save's estimates, on a pool thread beside planning)
@@ -649,6 +651,43 @@ done:
     return ret;
 }
 
+/* top_entropy(src): the order-0 entropy (bits) of the top byte plane of the rotated 4-byte words
+ * of src (the float32 exponent field, bits 23..30): what engine.refplan's exponent predictors are
+ * chosen by, a histogram of one plane where plane_entropy makes four. */
+static PyObject *py_top_entropy(PyObject *self, PyObject *args) {
+    Py_buffer src = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*", &src)) return NULL;
+    long long n = src.len / 4;
+    double e = 0;
+    {
+        const uint8_t *b = src.buf;
+        BEGIN_MAYBE(src.len)
+        uint32_t q[4][256];
+        int64_t h[256] = {0};
+        memset(q, 0, sizeof q);
+        for (long long j0 = 0; j0 < n; j0 += HIST_FLUSH) {
+            long long j1 = n - j0 < HIST_FLUSH ? n : j0 + HIST_FLUSH, j = j0;
+            for (; j + 4 <= j1; j += 4)
+                for (int u = 0; u < 4; u++) q[u][(b[4 * (j + u) + 3] << 1 | b[4 * (j + u) + 2] >> 7) & 0xFF]++;
+            for (; j < j1; j++) q[0][(b[4 * j + 3] << 1 | b[4 * j + 2] >> 7) & 0xFF]++;
+            for (int u = 0; u < 4; u++) {
+                for (int v = 0; v < 256; v++) h[v] += q[u][v];
+                memset(q[u], 0, sizeof q[u]);
+            }
+        }
+        double sum = 0;
+        for (int v = 0; v < 256; v++) {
+            int64_t c = h[v];
+            if (c) sum += c < CLOG_N ? clog_tab[c] : (double)c * log2((double)c);
+        }
+        e = n > 0 ? log2((double)n) - sum / (double)n : 0;
+        END_MAYBE
+    }
+    PyBuffer_Release(&src);
+    return PyFloat_FromDouble(e > 0 ? e : 0.0);
+}
+
 /* plane_entropy_many(srcs, widths, bits, run): plane_entropy of each buffer srcs[i] (a sequence
  * of buffers of whole words of widths[i] bytes, int64) over 4 runs of `run` words at words
  * k * (n - run) / 3 (k < 4, n its words), the estimate of engine.planner.cpu_raw_planes, into
@@ -1266,6 +1305,8 @@ static PyMethodDef methods[] = {
     {"exp_ref", py_exp_ref, METH_VARARGS, "exp_ref(src, out, ref, sign): expref's residual / inverse"},
     {"plane_entropy", py_plane_entropy, METH_VARARGS,
      "plane_entropy(src, bits, width, starts, run): order-0 entropy of each byte plane of a sample"},
+    {"top_entropy", py_top_entropy, METH_VARARGS,
+     "top_entropy(src): order-0 entropy of the top byte plane of the rotated 4-byte words of src"},
     {"plane_entropy_many", py_plane_entropy_many, METH_VARARGS,
      "plane_entropy_many(srcs, widths, bits, run): plane_entropy of many buffers' 4 spread runs, in one call"},
     {"copy_segments", py_copy_segments, METH_VARARGS,
@@ -1296,7 +1337,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bpnative",
                                     NULL, NULL, NULL, NULL};
 
 /* what ckptzip.native checks: a build of another version of this file is not used */
-#define BPNATIVE_API 10
+#define BPNATIVE_API 11
 
 PyMODINIT_FUNC PyInit__bpnative(void) {
     for (int c = 1; c < CLOG_N; c++) clog_tab[c] = (double)c * log2((double)c);
