@@ -929,6 +929,8 @@ def test_raw_plane_estimates_made_ahead_give_the_same_file(monkeypatch):
     real = P.Planner._raw_planes
 
     def spy(self, ref, width):
+        if self._ahead is not None:  # (finished first: estimates still queued are not waited for)
+            self._ahead[0].result()
         used.append(self._ahead is not None and id(ref) in self._ahead[1])
         return real(self, ref, width)
     monkeypatch.setattr(P.Planner, "_raw_planes", spy)
@@ -939,6 +941,31 @@ def test_raw_plane_estimates_made_ahead_give_the_same_file(monkeypatch):
     b = io.BytesIO()
     ckptzip.save(obj, b, device="cpu")
     assert a.getvalue() == b.getvalue()
+
+
+def test_raw_plane_estimates_queued_behind_other_work_are_not_waited_for():
+    """Estimates still queued when planning needs them (the CPU pool busy with another save or
+    load) are cancelled and made on the planning thread: the save does not wait for the pool's
+    queue, and writes the same file."""
+    import threading
+    import time
+    from ckptzip.codecs import cpu as ccpu
+    g = torch.Generator().manual_seed(6)
+    obj = {f"w{i}": torch.randn(70_000, generator=g) for i in range(3)}
+    want = io.BytesIO()
+    ckptzip.save(obj, want, device="cpu")
+    gate = threading.Event()
+    busy = [ccpu._pool().submit(gate.wait, 5) for _ in range(ccpu.cpu_threads())]
+    try:
+        t = time.perf_counter()
+        got = io.BytesIO()
+        ckptzip.save(obj, got, device="cpu")
+        took = time.perf_counter() - t
+    finally:
+        gate.set()
+        for f in busy:
+            f.result()
+    assert took < 2.5 and got.getvalue() == want.getvalue()
 
 
 def test_cpu_save_pieces_and_runs_give_the_same_file(monkeypatch):
@@ -1072,7 +1099,7 @@ def test_each_damaged_chunk_of_a_mixed_state_is_a_checksum_error(tmp_path, monke
     st, p = _mixed_small_file(tmp_path, monkeypatch)
     plans = []
     real_plan = decode._fused_plan
-    monkeypatch.setattr(decode, "_fused_plan", lambda rows, grp: plans.append(real_plan(rows, grp)) or plans[-1])
+    monkeypatch.setattr(decode, "_fused_plan", lambda rows, grp, **kw: plans.append(real_plan(rows, grp, **kw)) or plans[-1])
     assert torch.equal(ckptzip.load(p)["big"], st["big"])
     assert any(pl is not None for pl in plans)
     assert all(pl.verify == (pieces is True) for pl in plans if pl is not None)

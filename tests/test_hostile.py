@@ -432,7 +432,7 @@ def test_bytesio_is_decoded_in_place_and_never_changed(tmp_path, monkeypatch):
     # for files: see test_engine); read_stored leaves them to the pieces
     plans, deferred, checked = [], [], []
     real_plan, real_verify = decode._fused_plan, decode.verify
-    monkeypatch.setattr(decode, "_fused_plan", lambda rows, grp: plans.append(real_plan(rows, grp)) or plans[-1])
+    monkeypatch.setattr(decode, "_fused_plan", lambda rows, grp, **kw: plans.append(real_plan(rows, grp, **kw)) or plans[-1])
 
     def spy2(src, rows, **kw):
         deferred.append(kw.get("defer"))

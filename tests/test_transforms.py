@@ -348,6 +348,12 @@ def test_plane_entropy_many_equals_the_planner_estimate_per_storage():
         native.lib.plane_entropy(b, want, w, np.asarray([i * (n - run) // 3 for i in range(4)], np.int64), run)
         assert np.array_equal(got[:w], want) and (got[w:] == -1).all()
         assert P.cpu_raw_planes(torch.from_numpy(b), w) == frozenset(int(p) for p in np.nonzero(got[:w] > 8 * P.CPU_RAW_ENTROPY)[0])
+    # widths in the output's own memory: the checked copy is used, not what the call overwrites
+    shared = np.zeros(32, np.float64)
+    ws = shared[8:11].view(np.int64)
+    ws[:] = 4
+    native.lib.plane_entropy_many([np.zeros(16, np.uint8)] * 3, ws, shared[:24], 1)
+    assert (shared[:24].reshape(3, 8)[:, :4] == 0).all()
     for bad in ((bufs, np.array([4, 2, 3, 4], np.int64), bits, run), (bufs, widths, np.zeros((4, 7)), run),
                 (bufs, widths, bits, 0), ([1, 2, 3, 4], widths, bits, run)):
         with pytest.raises((ValueError, TypeError)):

@@ -697,29 +697,33 @@ static PyObject *py_top_entropy(PyObject *self, PyObject *args) {
 static PyObject *py_plane_entropy_many(PyObject *self, PyObject *args) {
     PyObject *seq_in, *seq = NULL, *ret = NULL;
     Py_buffer wb = {0}, bits = {0}, *bufs = NULL;
+    int64_t *ws = NULL;
     long long run;
     Py_ssize_t n = 0, got = 0;
     (void)self;
     if (!PyArg_ParseTuple(args, "Oy*w*L", &seq_in, &wb, &bits, &run)) return NULL;
-    if (!(seq = PySequence_Fast(seq_in, "plane_entropy_many: srcs must be a sequence"))) goto done;
-    n = PySequence_Fast_GET_SIZE(seq);
+    if (!(seq = PySequence_Tuple(seq_in))) goto done;  /* (a tuple: its length cannot change) */
+    n = PyTuple_GET_SIZE(seq);
     if (run < 1 || run > (1LL << 30) || wb.len != (Py_ssize_t)(8 * n) || bits.len != (Py_ssize_t)(64 * n)) {
         PyErr_SetString(PyExc_ValueError, "plane_entropy_many: an int64 width and 8 float64 outputs per buffer, 1 <= run <= 2**30");
         goto done;
     }
-    if (!(bufs = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer)))) { PyErr_NoMemory(); goto done; }
-    int64_t wid[1];
+    /* the widths copied once and checked: what is checked is what is used without the GIL (the
+     * caller's buffer may overlap the output, or change) */
+    if (!(bufs = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer))) || !(ws = PyMem_Malloc((size_t)n * 8 + 8))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(ws, wb.buf, (size_t)n * 8);
     for (got = 0; got < n; got++) {
-        memcpy(wid, (const char *)wb.buf + 8 * got, 8);
-        if (wid[0] != 2 && wid[0] != 4 && wid[0] != 8) {
+        if (ws[got] != 2 && ws[got] != 4 && ws[got] != 8) {
             PyErr_SetString(PyExc_ValueError, "plane_entropy_many: width 2, 4 or 8");
             goto done;
         }
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &bufs[got], PyBUF_SIMPLE)) goto done;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(seq, got), &bufs[got], PyBUF_SIMPLE)) goto done;
     }
     {
-        const int64_t *ws = wb.buf;
-        double *out = bits.buf;
+        char *out = bits.buf;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++) {
             int w = (int)ws[i];
@@ -731,7 +735,7 @@ static PyObject *py_plane_entropy_many(PyObject *self, PyObject *args) {
                 for (int k = 0; k < 4; k++) st[k] = k * (words - run) / 3;
                 entropy_core(bufs[i].buf, w, st, 4, run, ent);
             }
-            memcpy(out + 8 * i, ent, sizeof ent);
+            memcpy(out + 64 * i, ent, sizeof ent);
         }
         Py_END_ALLOW_THREADS
     }
@@ -740,6 +744,7 @@ static PyObject *py_plane_entropy_many(PyObject *self, PyObject *args) {
 done:
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
     PyMem_Free(bufs);
+    PyMem_Free(ws);
     Py_XDECREF(seq);
     PyBuffer_Release(&wb); PyBuffer_Release(&bits);
     return ret;

@@ -78,48 +78,51 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
     planner = Planner(codec, transform, chunk_size, level, device, portable, storage_gbps)
     if not reuse_plan:  # (a reused plan needs no estimates)
         planner.estimate_ahead(enc.storages)
-    if window is None:
-        window = (gpu_window(scratch_heavy=planner.scratch_heavy) if planner.dev == "cuda"
-                  else CPU_FILE_WINDOW if stream else DEFAULT_WINDOW)
-    ref_tfs: dict = {}
-    grid: dict = {}
-    if derive and transform == "auto":
-        from .engine.refplan import find_derived, find_expgrid, find_expref
-        ref_tfs.update(find_derived(enc.storages, reuse=reuse_plan))
-        if any(r.elem == "float32" for r in enc.storages):  # (Adam's moments in float32 only: the
-            from .tree import tensor_keys                    # keys cost 13 us per tensor)
-            keys = tensor_keys(root)[0]
-            ref_tfs.update(find_expref(root, enc.storages, skip=set(ref_tfs), keys=keys))
-            grid = find_expgrid(root, enc.storages, skip=set(ref_tfs), keys=keys, reuse=reuse_plan)
-    alt: dict = {}
-    bases = None
-    if base is not None:
-        from .api import CheckpointReader
-        from .incremental import add_hints, delta_candidates, record_for
-        base = os.fspath(base)
-        with CheckpointReader(base) as br:
-            bases = [record_for(br, base, target)]
-            cands = delta_candidates(root, enc.storages, br, skip=set(ref_tfs))
-            base_storages = br.storages
-            ref_tfs.update(cands)
-    for i, g in grid.items():  # Adam's v: expgrid, or the better of delta and expgrid
-        if i in ref_tfs:
-            alt[i] = g
-        else:
-            ref_tfs[i] = g
-    total = sum(r.data.numel() for r in enc.storages)
-    if stream and planner.dev in STREAM_DEVICES and not reuse_plan and base is None and not alt:
-        plans: list = [None] * len(enc.storages)
-        planner.hold_rot16()  # one choice for all batches
-        return SaveJob(root, meta, enc.storages, plans, None, total, None,
-                       streamed=lambda: _planned_groups(planner, enc.storages, plans, window, ref_tfs))
-    plans = planner.plan_all(enc.storages, window, reuse_plan, ref_tfs, alt)
-    if bases is not None:  # where the base storages the chosen deltas need are (not every candidate's)
-        add_hints(bases[0], base_storages, [p.ref.storage for p in plans if p.ref is not None and p.ref.against_base])
-    units = [u for i, (ref, plan) in enumerate(zip(enc.storages, plans))
-             for u in units_of(i, ref.data, plan, window)]
-    return SaveJob(root, meta, enc.storages, plans, list(groups(units, window)), total, bases)
+    try:
+        if window is None:
+            window = (gpu_window(scratch_heavy=planner.scratch_heavy) if planner.dev == "cuda"
+                      else CPU_FILE_WINDOW if stream else DEFAULT_WINDOW)
+        ref_tfs: dict = {}
+        grid: dict = {}
+        if derive and transform == "auto":
+            from .engine.refplan import find_derived, find_expgrid, find_expref
+            ref_tfs.update(find_derived(enc.storages, reuse=reuse_plan))
+            if any(r.elem == "float32" for r in enc.storages):  # (Adam's moments in float32 only: the
+                from .tree import tensor_keys                    # keys cost 13 us per tensor)
+                keys = tensor_keys(root)[0]
+                ref_tfs.update(find_expref(root, enc.storages, skip=set(ref_tfs), keys=keys))
+                grid = find_expgrid(root, enc.storages, skip=set(ref_tfs), keys=keys, reuse=reuse_plan)
+        alt: dict = {}
+        bases = None
+        if base is not None:
+            from .api import CheckpointReader
+            from .incremental import add_hints, delta_candidates, record_for
+            base = os.fspath(base)
+            with CheckpointReader(base) as br:
+                bases = [record_for(br, base, target)]
+                cands = delta_candidates(root, enc.storages, br, skip=set(ref_tfs))
+                base_storages = br.storages
+                ref_tfs.update(cands)
+        for i, g in grid.items():  # Adam's v: expgrid, or the better of delta and expgrid
+            if i in ref_tfs:
+                alt[i] = g
+            else:
+                ref_tfs[i] = g
+        total = sum(r.data.numel() for r in enc.storages)
+        if stream and planner.dev in STREAM_DEVICES and not reuse_plan and base is None and not alt:
+            plans: list = [None] * len(enc.storages)
+            planner.hold_rot16()  # one choice for all batches
+            return SaveJob(root, meta, enc.storages, plans, None, total, None,
+                           streamed=lambda: _planned_groups(planner, enc.storages, plans, window, ref_tfs))
+        plans = planner.plan_all(enc.storages, window, reuse_plan, ref_tfs, alt)
+        if bases is not None:  # where the base storages the chosen deltas need are (not every candidate's)
+            add_hints(bases[0], base_storages, [p.ref.storage for p in plans if p.ref is not None and p.ref.against_base])
+        units = [u for i, (ref, plan) in enumerate(zip(enc.storages, plans))
+                 for u in units_of(i, ref.data, plan, window)]
+        return SaveJob(root, meta, enc.storages, plans, list(groups(units, window)), total, bases)
 
+    finally:  # (estimates started ahead are waited for or cancelled, whatever happens)
+        planner.settle()
 
 def _planned_groups(planner, refs: list, plans: list, window: int, ref_tfs: dict) -> Iterator[list]:
     """The groups of a streamed save: storages planned in consecutive batches (their sampling

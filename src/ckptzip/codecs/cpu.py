@@ -94,13 +94,13 @@ def pmap_balanced(fn: Callable[[int], Any], costs: list[float], least: float) ->
     ``cpu_threads() - 1`` of the pool's, each taking the next task as it comes free: the last
     tasks, the cheapest, even out the threads' ends (pieces of one decode differ 2-4x in time),
     and the caller, which would only wait, does a thread's share. Cheap items go together in
-    tasks of at least ``least`` cost. Every item has finished before this returns or raises
-    (the first error raised)."""
+    tasks of at least ``least`` cost; one task runs on the calling thread alone. Every item has
+    finished before this returns or raises (the first error raised)."""
     order = sorted(range(len(costs)), key=costs.__getitem__, reverse=True)
-    tasks: list[list[int]] = [[]]
+    tasks: list[list[int]] = []
     acc = 0.0
     for k in order:
-        if acc >= least:
+        if not tasks or acc >= least:
             tasks.append([])
             acc = 0.0
         tasks[-1].append(k)
@@ -129,10 +129,14 @@ def pmap_balanced(fn: Callable[[int], Any], costs: list[float], least: float) ->
     futs = [_pool().submit(work) for _ in range(helpers)]
     try:
         work()
-    finally:
-        concurrent.futures.wait(futs)
+    finally:  # (a helper still queued behind other work has nothing left to take: cancelled,
+        # not waited for; a cancelled future counts as done only once a worker dequeues it)
+        concurrent.futures.wait([f for f in futs if not f.cancel()])
     if errors:
-        raise errors[0]
+        try:
+            raise errors[0]
+        finally:  # (the list would keep the error's frames, and their tensors, in a cycle)
+            errors.clear()
 
 
 def _concat(outs: list) -> tuple[torch.Tensor, list[int], list[int]]:

@@ -184,7 +184,9 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
                 idle: Callable[[], None] | None = None) -> None:
     """Decode storages. Batches of whole blocks are grouped up to ``window`` bytes (many small
     storages per read and per codec call); a reader thread reads and checksums the next group
-    into one of four pooled buffers while the current one is decoded. Groups are decoded in
+    into one of four pooled buffers while the current one is decoded (from memory, a
+    ``FileObjectSource`` over a BytesIO, there is nothing to read: each group is prepared on
+    this thread, and ``idle`` runs first). Groups are decoded in
     order; a new group starts at every job index in ``breaks`` (a job that refers to the output
     of an earlier one is never in the same group: CPU groups undo transforms in parallel) and
     wherever the file changes (a job's ``fd``: a base checkpoint's storages). ``idle``: work of
@@ -236,7 +238,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
         src = fd if grp[0][0].fd is None else grp[0][0].fd
         pre = None
         cpu = grp[0][0].codec.device == "cpu" and all(job.out.device.type == "cpu" for job, *_ in grp)
-        plan = _fused_plan(rows, grp) if cpu else None
+        plan = _fused_plan(rows, grp, mem=getattr(src, "mem", None) is not None) if cpu else None
         # (the fused batches' chunks are verified by the decoding threads, each piece's
         # just before it is decoded: in parallel, not all on this thread before any decode)
         defer = plan.rows if plan is not None and plan.verify else None
@@ -301,7 +303,8 @@ def _cat_rows(parts: list[np.ndarray]) -> np.ndarray:
 
 
 def _decode_loop(grouped: list, take: Callable[[], tuple], give: Callable[[int], None], progress, tk=None) -> None:
-    """Consume what the reader thread queued: decode each group, hand its slot back. On the GPU
+    """Consume what ``take`` returns (the reader thread's queue, or each group prepared on this
+    thread): decode each group, hand its slot back (``give``). On the GPU
     a group's host buffer is handed back once the GPU is done with it, which the loop waits for
     only after it has queued the next group's work (the host launches group k while the GPU
     runs group k-1). Chunks the reader left to the GPU (``later``) are hashed by ``tk`` right
@@ -573,9 +576,11 @@ class FusedPlan(NamedTuple):
     verify: bool = False
 
 
-def _fused_plan(rows: np.ndarray, grp: list) -> FusedPlan | None:
+def _fused_plan(rows: np.ndarray, grp: list, mem: bool = False) -> FusedPlan | None:
     """The group's :func:`_fused_batch` batches with their ``planes_fused`` tables (the
-    source-offset column is added once the group is read), or None where there is none."""
+    source-offset column is added once the group is read), or None where there is none.
+    ``mem``: the group is read from memory (nothing is read, so its pieces verify it at any
+    size)."""
     want = [k for k, (job, i, j, a, b) in enumerate(grp) if j > i and _fused_batch(job, a, b)]
     if not want:
         return None
@@ -605,7 +610,7 @@ def _fused_plan(rows: np.ndarray, grp: list) -> FusedPlan | None:
     # the decoding threads verify the chunks where the reader would hash them on its one thread
     # (a 16-core host's 64 MiB groups are hashed by the read pool's threads as they are read:
     # there, hashing in the decoding threads made a 2.4 GB load 5-7 % slower)
-    verify = VERIFY_IN_PIECES and int(rows["stored"][mask].sum()) < HASH_PARALLEL_MIN
+    verify = VERIFY_IN_PIECES and (mem or int(rows["stored"][mask].sum()) < HASH_PARALLEL_MIN)
     return FusedPlan(mask, flags, items, verify)
 
 
@@ -621,13 +626,13 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: n
     threads = cpu_threads()
     total = sum(b - a for _job, a, b, _r0, _t in plan.items)
     share = max(PIECE_MIN, -(-total // (PIECES_PER_THREAD * threads)))
-    work = []  # (item, first word, end word, bytes)
+    work = []  # (item, first word, end word)
     for it in plan.items:
         job, a, b, _r0, t = it
         w = job.tf.width
         nw = (b - a) // w
         if b - a <= share:
-            work.append((it, 0, nw, b - a))
+            work.append((it, 0, nw))
             continue
         starts = t[1][t[0] % 256 == 0]  # where every plane's chunks start
         for p in range(1, w):
@@ -635,11 +640,11 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: n
         want = np.arange(1, -(-(b - a) // share)) * (share // w)
         cuts = np.unique(starts[np.clip(np.searchsorted(starts, want), 0, len(starts) - 1)])
         edges = [0, *[int(x) for x in cuts if 0 < x < nw], nw]
-        work.extend((it, e0, e1, (e1 - e0) * w) for e0, e1 in zip(edges, edges[1:]))
+        work.extend((it, e0, e1) for e0, e1 in zip(edges, edges[1:]))
     s = src.numpy()
 
     def one(k: int) -> None:
-        (job, a, b, r0, t), w0, w1, _n = work[k]
+        (job, a, b, r0, t), w0, w1 = work[k]
         so = np.ascontiguousarray(soffs[r0:r0 + len(t[0])])
         if plan.verify:  # (this piece's chunks: those whose words start in w0..w1)
             mine = np.nonzero((t[1] >= w0) & (t[1] < w1))[0] if w0 or w1 < (b - a) // job.tf.width else slice(None)
@@ -654,7 +659,7 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: n
             w = job.tf.width
             piece = job.out[a + w0 * w:a + w1 * w]
             job.ref.decode(piece, piece, start=a + w0 * w)
-    pmap_balanced(one, [_piece_cost(it, w0, w1) for it, w0, w1, _n in work], PIECE_MIN)
+    pmap_balanced(one, [_piece_cost(it, w0, w1) for it, w0, w1 in work], PIECE_MIN)
 
 
 def _piece_cost(item, w0: int, w1: int) -> float:

@@ -11,6 +11,7 @@ batched codec calls.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import threading
 
@@ -139,7 +140,8 @@ class Planner:
         reference searches of :mod:`refplan`, the object tree's keys); :meth:`base_plan` takes
         them from there. A 2-core save of the fp32 benchmark state took 141 estimates, about
         5 ms on the caller's thread."""
-        if self.dev != "cpu" or self.transform not in ("auto", "byteplane") or native.lib is None:
+        if (self.dev != "cpu" or self.transform not in ("auto", "byteplane") or native.lib is None
+                or self.codec_id == "raw"):
             return
         todo = [r for r in refs if r.float_width and r.data.device.type == "cpu" and r.data.numel() % r.float_width == 0
                 and r.data.numel() // r.float_width >= 4 * CPU_ENTROPY_RUN]
@@ -153,12 +155,24 @@ class Planner:
 
     def _raw_planes(self, ref: StorageRef, width: int) -> frozenset:
         if self._ahead is not None and width == ref.float_width:
-            fut, index, bits, widths = self._ahead
+            fut, index, bits, _widths = self._ahead
             k = index.get(id(ref))
             if k is not None:
-                fut.result()
-                return frozenset(int(p) for p in np.nonzero(bits[k, :width] > 8 * CPU_RAW_ENTROPY)[0])
+                if fut.cancel():  # (still queued behind other work in the pool: not waited for)
+                    self._ahead = None
+                else:
+                    fut.result()
+                    return frozenset(int(p) for p in np.nonzero(bits[k, :width] > 8 * CPU_RAW_ENTROPY)[0])
         return cpu_raw_planes(ref.data, width)
+
+    def settle(self) -> None:
+        """Cancel the estimates started ahead, or wait for them: a save that ends (or fails)
+        leaves no pool thread still reading the caller's tensors."""
+        if self._ahead is not None:
+            fut = self._ahead[0]
+            if not fut.cancel():
+                concurrent.futures.wait([fut])
+            self._ahead = None
 
     def hold_rot16(self) -> None:
         """Make :meth:`_rot16` answer as it does now for every later call: a save planned in
