@@ -64,9 +64,9 @@ SMALL_INVERSE = 64 << 10
 #: GPU), the reader fills the others ahead of it
 READ_AHEAD = 4
 #: fused batches are cut into pieces of about 1/PIECES_PER_THREAD of a thread's share (at least
-#: PIECE_MIN bytes; cuts fall where every plane has a chunk start), which the pool's threads take
-#: costliest first as they come free: one piece per thread left a thread idle for up to half
-#: of a group (pieces of the same size decode 2-4x apart in time)
+#: PIECE_MIN bytes; cuts fall where every plane has a chunk start), which the calling thread and
+#: the pool's take costliest first as they come free (``pmap_balanced``): one piece per thread
+#: left a thread idle for up to half of a group (pieces of the same size decode 2-4x apart)
 PIECES_PER_THREAD = 8
 PIECE_MIN = 256 << 10
 
