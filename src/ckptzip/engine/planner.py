@@ -138,8 +138,9 @@ class Planner:
         storage large enough to be estimated, all in one call of the C extension without the
         GIL on one of the CPU pool's threads, while the caller's thread goes on planning (the
         reference searches of :mod:`refplan`, the object tree's keys); :meth:`base_plan` takes
-        them from there. A 2-core save of the fp32 benchmark state took 141 estimates, about
-        5 ms on the caller's thread."""
+        them from there (a 2-core save of the fp32 benchmark state estimates 57 storages, 2-3 ms
+        on the caller's thread). Estimates still queued when they are needed are not waited
+        for: :meth:`_raw_planes` makes them itself."""
         if (self.dev != "cpu" or self.transform not in ("auto", "byteplane") or native.lib is None
                 or self.codec_id == "raw"):
             return
