@@ -193,10 +193,10 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     the caller's that needs no decoded bytes, done on this thread while the reader thread reads
     the first groups (the reader, not this thread, sets the pace of a load from fast storage);
     an error it raises ends the decode."""
+    mem = getattr(fd, "mem", None) is not None  # (an in-memory source: storage.FileObjectSource)
     if not any(job.codec.device == "cuda" for job in jobs):
         # (the reader's next group overlaps this one's decoding)
-        window = min(window, max(MEM_GROUP if getattr(fd, "mem", None) is not None else CPU_GROUP,
-                                 CPU_GROUP_PER_THREAD * cpu_threads()))
+        window = min(window, max(MEM_GROUP if mem else CPU_GROUP, CPU_GROUP_PER_THREAD * cpu_threads()))
     breaks = set(breaks)
     items = []
     pending = False  # a break whose job had no batch (an empty storage) goes to the next batch made
@@ -222,11 +222,6 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     # the GPU after their upload (the reader's threads then only read: hashing there contended
     # with this thread for the GIL), and verified before the group's decode results are
     tk = triton_kernels(start=False) if gpu else None
-    q: queue.Queue = queue.Queue(maxsize=2)
-    free: queue.Queue = queue.Queue()
-    for slot in range(READ_AHEAD):
-        free.put(slot)
-    stop = threading.Event()
 
     def prepare(grp: list) -> tuple:
         """One group's read (or, from memory, its views) and fused plan, as the decode loop takes it."""
@@ -254,7 +249,7 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
             host, soffs, later = read_stored(src, rows, pinned=gpu, gpu_hash=gpu_hash, defer=defer)
         return host, soffs, rows, later, (pre, plan), None
 
-    if not gpu and getattr(fd, "mem", None) is not None and all(job.fd is None for job in jobs):
+    if not gpu and mem and all(job.fd is None for job in jobs):
         # from memory there is nothing to read ahead: each group is prepared on this thread
         # just before its decode, with no reader thread to start and hand over to
         todo = iter(grouped)
@@ -263,6 +258,12 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
         with _capi.deferred_checks():
             _decode_loop(grouped, lambda: (0, *prepare(next(todo))), lambda _slot: None, progress, tk)
         return
+
+    q: queue.Queue = queue.Queue(maxsize=2)
+    free: queue.Queue = queue.Queue()
+    for slot in range(READ_AHEAD):
+        free.put(slot)
+    stop = threading.Event()
 
     def reader() -> None:
         try:
@@ -619,8 +620,9 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: n
     group at ``soffs[i]``, its chunk-table row ``rows[i]``) into their destinations: each batch's words are assembled in one pass
     from its stored planes, read where they lie, and its zstd planes, each frame decoded into a
     chunk-sized scratch just before (``planes_fused``). The two-step path wrote every byte into
-    the group stream first and read it back. Large batches are cut between the CPU pool's
-    threads where every plane has a chunk start (no chunk is decoded by two pieces).
+    the group stream first and read it back. Large batches are cut into pieces where every plane
+    has a chunk start (no chunk is decoded by two pieces; :data:`PIECES_PER_THREAD`), which the
+    calling thread and the CPU pool's take costliest first (:func:`pmap_balanced`).
     With ``plan.verify`` the reader left these batches' checksums to this function: each
     piece's chunks are verified by its thread just before it decodes them."""
     threads = cpu_threads()

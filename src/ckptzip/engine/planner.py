@@ -152,11 +152,11 @@ class Planner:
             bits = np.empty((len(todo), 8), dtype=np.float64)
             srcs = [r.data.numpy() for r in todo]
             fut = _pool().submit(native.lib.plane_entropy_many, srcs, widths, bits, CPU_ENTROPY_RUN)
-            self._ahead = (fut, {id(r): k for k, r in enumerate(todo)}, bits, widths)
+            self._ahead = (fut, {id(r): k for k, r in enumerate(todo)}, bits)
 
     def _raw_planes(self, ref: StorageRef, width: int) -> frozenset:
         if self._ahead is not None and width == ref.float_width:
-            fut, index, bits, _widths = self._ahead
+            fut, index, bits = self._ahead
             k = index.get(id(ref))
             if k is not None:
                 if fut.cancel():  # (still queued behind other work in the pool: not waited for)
