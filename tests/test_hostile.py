@@ -204,6 +204,97 @@ def test_duplicate_json_object_keys(tmp_path, small):
         ckptzip.load(q)
 
 
+@pytest.mark.parametrize("native_lib", [True, False])
+def test_strict_json_finds_repeated_names_however_written(monkeypatch, native_lib):
+    """strict_json refuses an object that repeats a member name (escaped or not, at any depth,
+    beside strings full of colons and quotes) and parses everything else as json.loads does,
+    with the C extension's count (plain dicts, then members written vs items kept) or without."""
+    from ckptzip import native
+    from ckptzip.validate import strict_json
+    if not native_lib:
+        monkeypatch.setattr(native, "lib", None)
+    elif native.lib is None:
+        pytest.skip("C extension not built")
+    def err(msg):
+        return ValueError(msg)
+    bad = ['{"a":1,"a":2}', '{"a":1,"\\u0061":2}', '{"x":{"b":[{"c":1,"c":1}]}}', '[{"k":":","k":"\\""}]',
+           '{"a":{"b":1},"b":{"b":1},"b":2}', '[' * 600 + '{"d":1,"d":1}' + ']' * 600]
+    for text in bad:
+        with pytest.raises(ValueError, match="duplicate JSON object key"):
+            strict_json(text.encode(), err)
+    good = ['{"a":"::","b":{"c":"\\":\\\\"}}', '{"a\\"":1,"a":2}', '[]', '3', '"x:y"', '{"\\u00e9":1,"\u00e9x":2}',
+            '[' * 600 + '{"d":1,"e":1}' + ']' * 600]
+    for text in good:
+        assert strict_json(text.encode(), err) == json.loads(text)
+    with pytest.raises(ValueError, match="NaN"):
+        strict_json(b'{"a":NaN}', err)
+
+
+def test_strict_json_matches_a_pairs_hook_on_random_documents():
+    """Random documents, some with a member name repeated somewhere: strict_json refuses exactly
+    those that a pairs hook finds repeating one, and returns json.loads' result otherwise."""
+    import random
+    from ckptzip.validate import strict_json
+    rng = random.Random(0)
+    names = ["a", "b", ":", '"', "\\", "a:b", "\u00e9", "c"]
+
+    def value(depth):
+        r = rng.random()
+        if depth > 3 or r < 0.3:
+            return rng.choice([1, -2.5, "s:\"", None, True, ""])
+        if r < 0.6:
+            return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+        return [(rng.choice(names), value(depth + 1)) for _ in range(rng.randint(0, 4))]
+
+    def text(v):
+        if isinstance(v, list) and v and isinstance(v[0], tuple):
+            return "{" + ",".join(json.dumps(k) + ":" + text(x) for k, x in v) + "}"
+        if isinstance(v, list) and not v and rng.random() < 0.5:
+            return "{}"
+        if isinstance(v, list):
+            return "[" + ",".join(text(x) for x in v) + "]"
+        return json.dumps(v)
+
+    def has_dup(pairs):
+        if len({k for k, _ in pairs}) < len(pairs):
+            raise KeyError
+        return dict(pairs)
+    seen = {True: 0, False: 0}
+    for _ in range(3000):
+        t = text(value(0))
+        try:
+            want, dup = json.loads(t, object_pairs_hook=has_dup), False
+        except KeyError:
+            dup = True
+        seen[dup] += 1
+        if dup:
+            with pytest.raises(ValueError, match="duplicate"):
+                strict_json(t.encode(), ValueError)
+        else:
+            assert strict_json(t.encode(), ValueError) == want
+    assert min(seen.values()) > 100
+
+
+@pytest.mark.parametrize("field", ["width", "block"])
+def test_each_storage_chain_is_checked_even_where_it_equals_an_earlier_one(tmp_path, field):
+    """Storages share parsed chains when their configs are equal; 4.0 equals (and hashes as) 4 in
+    Python but is no JSON integer, so a second storage that writes it is refused, not given the
+    first one's parse."""
+    p = tmp_path / "two.ckz"
+    torch.manual_seed(0)
+    ckptzip.save({"a": torch.randn(512), "b": torch.randn(512)}, p, codec="zstd", device="cpu")
+
+    def edit(d):
+        first, second = [s for s in d["storages"] if s["transforms"]][:2]
+        assert first["transforms"] == second["transforms"]
+        tf = dict(first["transforms"][0])
+        tf[field] = float(tf[field])
+        second["transforms"] = [tf]
+    q = forge(tmp_path, p, edit)
+    with pytest.raises(ckptzip.CorruptFileError):
+        ckptzip.load(q)
+
+
 def test_terabyte_declared_by_small_file(tmp_path):
     """A 1.7 MB file whose 65,536 rows of 16 MiB all point at one small zstd frame declares a
     1 TiB storage: ResourceLimitError (a CorruptFileError) before any allocation."""
@@ -343,6 +434,21 @@ def test_escaped_key_cannot_shadow_a_dotted_key(tmp_path):
         keys = r.keys()
         assert len(set(keys)) == 3
         assert sorted(float(r.get_tensor(k)[0]) for k in keys) == [0.0, 1.0, 2.0]
+
+
+def test_keys_without_the_escaped_map_are_the_same_keys():
+    """tensor_keys(escaped=False) (saves: escaped keys made only where a dotted key collides)
+    lists the same keys for the same nodes as the full call, collisions and shadowing included."""
+    from ckptzip.tree import Encoder, tensor_keys
+    t = [torch.full((2,), float(i)) for i in range(8)]
+    for obj in ({1: t[0], "1": t[1], "a.b": t[2], "a": {"b": t[3], "c": t[4]}, "plain": t[5]},
+                {"x": {"y": t[0]}, "x.y": t[1], '["x","y"]': t[2], "z": [t[3], {"w": t[4]}]},
+                {"m": {f"l{i}": t[i] for i in range(8)}}):
+        root = Encoder().encode(obj)
+        keys, esc = tensor_keys(root)
+        keys2, esc2 = tensor_keys(root, escaped=False)
+        assert list(keys) == list(keys2) and all(keys[k] is keys2[k] for k in keys)
+        assert esc2 == {} and len(esc) == len(keys)
 
 
 def test_huge_ints_round_trip(tmp_path):

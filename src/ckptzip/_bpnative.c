@@ -49,6 +49,10 @@
  *       its size into osizes[i], with libzstd's parameters given as int32 (id, value) pairs
  *       (experimental ones included); None, or (index, message) of the first failure
  *
+ *   json_members(text, obj)
+ *       (members written in the UTF-8 JSON text, items in the dicts of obj, what json.loads
+ *       made of it): equal exactly when no object repeats a name (strict_json's check)
+ *
  *   fs_type(fd), fallocate(fd, mode, offset, length)
  *       fstatfs's f_type; Linux fallocate(2) without the GIL (an OSError on failure)
  *
@@ -1304,6 +1308,68 @@ done:
     return finish(ret, t, b, 4);
 }
 
+/* json_members(text, obj): (members in text, items in obj). text: UTF-8 JSON that json.loads
+ * parsed into obj. Every ':' outside strings in valid JSON separates one object member from its
+ * name, so the first count is the number of members written; the second sums len() of every
+ * dict in obj (lists and dicts walked, exact types only, at most JSON_WALK_MAX deep). They are
+ * equal exactly when no object repeats a member name (a repeated name keeps one item). -1 for
+ * the second where obj is nested deeper than that (the caller then checks another way).
+ * '"', '\\' and ':' never occur inside a multi-byte UTF-8 sequence, so bytes are scanned. */
+#define JSON_WALK_MAX 512
+static Py_ssize_t json_items(PyObject *o) {
+    PyObject *stack[JSON_WALK_MAX];
+    Py_ssize_t pos[JSON_WALK_MAX], total = 0;
+    int top = 0;
+    stack[0] = o;
+    pos[0] = 0;
+    if (PyDict_CheckExact(o)) total += PyDict_GET_SIZE(o);
+    else if (!PyList_CheckExact(o)) return 0;
+    while (top >= 0) {
+        PyObject *c = stack[top], *child = NULL;
+        if (PyDict_CheckExact(c)) {
+            PyObject *k;
+            if (!PyDict_Next(c, &pos[top], &k, &child)) child = NULL;
+        } else if (pos[top] < PyList_GET_SIZE(c)) {
+            child = PyList_GET_ITEM(c, pos[top]);
+            pos[top]++;
+        }
+        if (child == NULL) {
+            top--;
+            continue;
+        }
+        if (PyDict_CheckExact(child) || PyList_CheckExact(child)) {
+            if (top + 1 >= JSON_WALK_MAX) return -1;
+            if (PyDict_CheckExact(child)) total += PyDict_GET_SIZE(child);
+            stack[++top] = child;
+            pos[top] = 0;
+        }
+    }
+    return total;
+}
+
+static PyObject *py_json_members(PyObject *self, PyObject *args) {
+    Py_buffer text = {0};
+    PyObject *obj;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*O", &text, &obj)) return NULL;
+    const unsigned char *t = text.buf;
+    Py_ssize_t n = text.len, colons = 0;
+    int in_str = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned char c = t[i];
+        if (in_str) {
+            if (c == '\\') i++;
+            else if (c == '"') in_str = 0;
+        } else if (c == '"') {
+            in_str = 1;
+        } else if (c == ':') {
+            colons++;
+        }
+    }
+    PyBuffer_Release(&text);
+    return Py_BuildValue("(nn)", colons, json_items(obj));
+}
+
 static PyMethodDef methods[] = {
     {"exp_grid", py_exp_grid, METH_VARARGS, "exp_grid(src, out, r, c, w0, sign): expgrid's residual / inverse"},
     {"exp_fit", py_exp_fit, METH_VARARGS, "exp_fit(src, rm, cm, rows, cols, kc, kr): expgrid's CPU fit"},
@@ -1334,6 +1400,8 @@ static PyMethodDef methods[] = {
      "huge_pages(buf): madvise(MADV_HUGEPAGE) on the whole 2 MiB pages inside buf; the bytes advised"},
     {"pread_many", py_pread_many, METH_VARARGS,
      "pread_many(fd, buf, foffs, boffs, lens, threads): file ranges into buf by POSIX threads; None or where the file ended"},
+    {"json_members", py_json_members, METH_VARARGS,
+     "json_members(text, obj): (object members written in the JSON text, items in the dicts json.loads made of it)"},
     {"zstd_version", py_zstd_version, METH_NOARGS, "libzstd's version number, or 0 where none was found"},
     {NULL, NULL, 0, NULL}};
 
@@ -1342,7 +1410,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bpnative",
                                     NULL, NULL, NULL, NULL};
 
 /* what ckptzip.native checks: a build of another version of this file is not used */
-#define BPNATIVE_API 11
+#define BPNATIVE_API 12
 
 PyMODINIT_FUNC PyInit__bpnative(void) {
     for (int c = 1; c < CLOG_N; c++) clog_tab[c] = (double)c * log2((double)c);

@@ -119,14 +119,17 @@ def parse_manifest(raw: bytes, digest: int, data_end: int) -> Manifest:
     storages = doc.get("storages")
     _need(isinstance(storages, list), "storages")
     firsts, counts, sizes = [], [], []
-    for i, s in enumerate(storages):
-        _need(isinstance(s, dict), f"storage {i}")
+    for i, s in enumerate(storages):  # (exact types: what json.loads makes; a bool is no int)
+        if type(s) is not dict:
+            _need(False, f"storage {i}")
         nb, rr = s.get("nbytes"), s.get("rows")
-        _need(_is_int(nb) and 0 <= nb <= MAX_STORAGE_BYTES, f"storage {i} nbytes")
-        _need(isinstance(rr, list) and len(rr) == 2 and all(_is_int(x) for x in rr)
-              and 0 <= rr[0] and 0 <= rr[1] and rr[0] + rr[1] <= n, f"storage {i} rows")
-        _need(isinstance(s.get("codec"), dict) and isinstance(s.get("transforms", []), list),
-              f"storage {i} codec/transforms")
+        if type(nb) is not int or not 0 <= nb <= MAX_STORAGE_BYTES:
+            _need(False, f"storage {i} nbytes")
+        if (type(rr) is not list or len(rr) != 2 or type(rr[0]) is not int or type(rr[1]) is not int
+                or rr[0] < 0 or rr[1] < 0 or rr[0] + rr[1] > n):
+            _need(False, f"storage {i} rows")
+        if type(s.get("codec")) is not dict or ("transforms" in s and type(s["transforms"]) is not list):
+            _need(False, f"storage {i} codec/transforms")
         firsts.append(rr[0])
         counts.append(rr[1])
         sizes.append(nb)

@@ -89,7 +89,7 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
             ref_tfs.update(find_derived(enc.storages, reuse=reuse_plan))
             if any(r.elem == "float32" for r in enc.storages):  # (Adam's moments in float32 only: the
                 from .tree import tensor_keys                    # keys cost 13 us per tensor)
-                keys = tensor_keys(root)[0]
+                keys = tensor_keys(root, escaped=False)[0]
                 ref_tfs.update(find_expref(root, enc.storages, skip=set(ref_tfs), keys=keys))
                 grid = find_expgrid(root, enc.storages, skip=set(ref_tfs), keys=keys, reuse=reuse_plan)
         alt: dict = {}
@@ -210,12 +210,19 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
             if streamed:
                 minor = _minor(prep)
             entries, first = [], 0
+            configs: dict = {}  # id -> wire config: storages share transform and codec objects
+
+            def config(o) -> dict:
+                c = configs.get(id(o))
+                if c is None:
+                    c = configs[id(o)] = o.get_config()
+                return c
             for ref, plan, count in zip(prep.refs, prep.plans, counts):
                 entries.append({
                     "nbytes": ref.data.numel(), "elem": ref.elem, "device": ref.device,
                     "transforms": ([plan.ref.get_config()] if plan.ref is not None else [])
-                    + ([plan.transform.get_config()] if plan.transform else []),
-                    "codec": plan.codec.get_config(), "rows": [first, count],
+                    + ([config(plan.transform)] if plan.transform else []),
+                    "codec": config(plan.codec), "rows": [first, count],
                 })
                 if plan.choice:
                     entries[-1]["choice"] = plan.choice

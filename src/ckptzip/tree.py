@@ -78,9 +78,10 @@ class Encoder:
     _index: dict[tuple[str, int, int], int] = field(default_factory=dict)
     _keep: list[Any] = field(default_factory=list)
 
-    def _storage(self, t: torch.Tensor, dtype: str) -> int:
+    def _storage(self, t: torch.Tensor, dtype: str, dev: torch.device | None = None) -> int:
         st = t.untyped_storage()
-        dev = t.device
+        if dev is None:
+            dev = t.device
         dname = _device_name(dev)
         nbytes = st.nbytes()
         key = (dname, st.data_ptr(), nbytes) if nbytes else (dname, -len(self.storages), 0)  # (empty
@@ -94,23 +95,28 @@ class Encoder:
         return idx
 
     def tensor(self, t: torch.Tensor) -> dict[str, Any]:
-        if t.layout != torch.strided or t.is_quantized or t.device.type not in ("cpu", "cuda"):
+        dev = t.device
+        if t.layout != torch.strided or t.is_quantized or dev.type not in ("cpu", "cuda"):
             raise UnsupportedObjectError(
-                f"only dense CPU/CUDA tensors are supported (got layout={t.layout}, device={t.device})")
+                f"only dense CPU/CUDA tensors are supported (got layout={t.layout}, device={dev})")
         node: dict[str, Any] = {"t": "tensor"}
-        if type(t) is torch.nn.Parameter or (type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter)):
+        if type(t) is torch.Tensor:  # (the common case first: a save names hundreds of tensors)
+            if t.requires_grad:
+                node["rg"] = True
+        elif isinstance(t, torch.nn.Parameter):
             node["param"] = True
             node["rg"] = bool(t.requires_grad)
             t = t.data
-        elif type(t) is not torch.Tensor:
+        else:
             raise UnsupportedObjectError(f"tensor subclass {type(t).__name__} is not supported")
-        elif t.requires_grad:
-            node["rg"] = True
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
         dtype = dtype_name(t.dtype)
-        node.update(s=self._storage(t, dtype), dtype=dtype, shape=list(t.shape),
-                    stride=list(t.stride()), offset=t.storage_offset())
+        node["s"] = self._storage(t, dtype, dev)
+        node["dtype"] = dtype
+        node["shape"] = list(t.shape)
+        node["stride"] = list(t.stride())
+        node["offset"] = t.storage_offset()
         return node
 
     def ndarray(self, a: np.ndarray) -> dict[str, Any]:
@@ -202,8 +208,11 @@ def _bad(msg: str) -> CorruptFileError:
 
 
 def _ints(x: Any, what: str, lo: int = 0) -> list[int]:
-    if not isinstance(x, list) or not all(type(v) is int and v >= lo for v in x):
+    if type(x) is not list:
         raise _bad(what)
+    for v in x:  # (a loop: a generator in all() cost more than the check, per tensor)
+        if type(v) is not int or v < lo:
+            raise _bad(what)
     return x
 
 
@@ -218,9 +227,12 @@ def contiguous_stride(shape: list[int]) -> list[int]:
 
 def view_extent(shape: list[int], stride: list[int], offset: int) -> int:
     """Elements of storage a strided view needs (0 for an empty view)."""
-    if any(s == 0 for s in shape):
-        return 0
-    return offset + sum((n - 1) * st for n, st in zip(shape, stride)) + 1
+    end = offset
+    for n, st in zip(shape, stride):
+        if n == 0:
+            return 0
+        end += (n - 1) * st
+    return end + 1
 
 
 class Decoder:
@@ -232,9 +244,9 @@ class Decoder:
 
     def tensor_meta(self, node: dict[str, Any], storage_nbytes: int) -> tuple[torch.dtype, list, list, int]:
         name = node.get("dtype")
-        if name not in DTYPES:
+        dt = DTYPES.get(name) if type(name) is str else None
+        if dt is None:
             raise _bad(f"unknown dtype {name!r}")
-        dt = DTYPES[name]
         shape = _ints(node.get("shape"), "shape")
         stride = _ints(node.get("stride"), "stride")
         off = node.get("offset")
@@ -248,16 +260,19 @@ class Decoder:
         if depth > MAX_DEPTH:
             raise _bad("nesting too deep")
         d = depth + 1
-        if n is None or isinstance(n, (bool, str)):
-            return n
-        if not isinstance(n, dict) or not isinstance(n.get("t"), str):
+        if type(n) is not dict:  # (exact types, as json.loads makes them)
+            if n is None or type(n) is bool or type(n) is str:
+                return n
             raise _bad(f"node {str(n)[:60]!r}")
-        t, v = n["t"], n.get("v")
+        t, v = n.get("t"), n.get("v")
+        if type(t) is not str:
+            raise _bad(f"node {str(n)[:60]!r}")
         try:
             if t == "tensor":
                 st = self.storage_fn(n)  # flat uint8 tensor
-                dt, shape, stride, off = self.tensor_meta(n, st.numel())
-                base = st.view(dt) if st.numel() % dt.itemsize == 0 else st[: st.numel() // dt.itemsize * dt.itemsize].view(dt)
+                nb = st.numel()
+                dt, shape, stride, off = self.tensor_meta(n, nb)
+                base = st.view(dt) if nb % dt.itemsize == 0 else st[: nb // dt.itemsize * dt.itemsize].view(dt)
                 out = torch.as_strided(base, shape, stride, off)
                 if n.get("param"):
                     return torch.nn.Parameter(out, requires_grad=bool(n.get("rg")))
@@ -367,26 +382,33 @@ def escaped_key(comps: tuple) -> str:
     return json.dumps([e for _, e in comps], separators=(",", ":"), ensure_ascii=False)
 
 
-def tensor_keys(root: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def tensor_keys(root: Any, escaped: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(keys, escaped)``: ``keys`` maps each tensor's dotted key (``"model.fc.weight"``) to its
     node, except where two tensors would share one dotted key (``1`` and ``"1"``, or ``"a.b"``
     and ``{"a": {"b": ...}}``): those tensors are listed under their :func:`escaped_key` instead.
-    ``escaped`` maps every tensor's escaped key to its node."""
+    ``escaped`` maps every tensor's escaped key to its node (``escaped=False``: an empty dict,
+    and escaped keys are made only for the tensors listed under theirs)."""
     found = _walk(root, keyed=True)
     dotted = [".".join(c for c, _ in comps) for comps, _ in found]
-    escaped = [escaped_key(comps) for comps, _ in found]
+    esc: dict[int, str] = {}  # (escaped keys, made where needed: a json.dumps per tensor)
+
+    def escaped_of(k: int) -> str:
+        e = esc.get(k)
+        if e is None:
+            e = esc[k] = escaped_key(found[k][0])
+        return e
     counts = collections.Counter(dotted)
-    use_esc = [counts[d] > 1 for d in dotted]
-    while True:  # an escaped key must not equal a dotted key that stays dotted
-        taken = {e for e, u in zip(escaped, use_esc) if u}
+    use_esc = [counts[d] > 1 for d in dotted] if len(counts) < len(dotted) else [False] * len(dotted)
+    while any(use_esc):  # an escaped key must not equal a dotted key that stays dotted
+        taken = {escaped_of(k) for k, u in enumerate(use_esc) if u}
         more = [not u and d in taken for d, u in zip(dotted, use_esc)]
         if not any(more):
             break
         use_esc = [u or m for u, m in zip(use_esc, more)]
-    keys = {(e if u else d): node for d, e, u, (_, node) in zip(dotted, escaped, use_esc, found)}
-    return keys, {e: node for e, (_, node) in zip(escaped, found)}
+    keys = {(escaped_of(k) if u else d): node for k, (d, u, (_, node)) in enumerate(zip(dotted, use_esc, found))}
+    return keys, ({escaped_of(k): node for k, (_, node) in enumerate(found)} if escaped else {})
 
 
 def tensor_paths(n: Any) -> dict[str, Any]:
     """Key -> tensor/ndarray node, for the lazy reader (see :func:`tensor_keys`)."""
-    return tensor_keys(n)[0]
+    return tensor_keys(n, escaped=False)[0]

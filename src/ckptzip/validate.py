@@ -16,6 +16,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+from . import native
 from .codecs.base import check_params, wire_keys
 from .errors import CorruptFileError, UnknownCodecError
 
@@ -69,7 +70,14 @@ def strict_json(text: bytes, error: Callable[[str], Exception], what: str = "JSO
     def no_constant(name: str) -> Any:
         raise _Refused(f"JSON constant {name} (not allowed)")
     try:
-        return json.loads(text.decode("utf-8"), object_pairs_hook=no_duplicates, parse_constant=no_constant)
+        s = text.decode("utf-8")
+        lib = native.lib
+        if lib is not None:  # plain dicts, then one count in C (no Python call per object)
+            doc = json.loads(s, parse_constant=no_constant)
+            written, kept = lib.json_members(text, doc)
+            if written == kept:
+                return doc
+        return json.loads(s, object_pairs_hook=no_duplicates, parse_constant=no_constant)
     except _Refused as e:
         raise error(str(e)) from None
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -158,30 +166,31 @@ def validate_document(doc: dict[str, Any], n_chunks: int, chains: list | None = 
 
 
 def _storage(i: int, s: Any, seen: dict | None = None) -> tuple[int, list]:
-    if not isinstance(s, dict):
+    # (exact types, as json.loads makes them: a bool is no int; a loop of plain checks, since
+    # this runs once per storage of every file read)
+    if type(s) is not dict:
         raise _bad(f"storage {i}")
     nb = s.get("nbytes")
-    if not _is_int(nb) or nb < 0:
+    if type(nb) is not int or nb < 0:
         raise _bad(f"storage {i} nbytes")
     dev = s.get("device", "cpu")
-    if not isinstance(dev, str) or not DEVICE_RE.match(dev):
+    if dev != "cpu" and (type(dev) is not str or not DEVICE_RE.match(dev)):
         raise _bad(f"storage {i} device {str(dev)[:40]!r} (cpu, cuda or cuda:N)")
-    for k in ("elem", "choice"):
-        if k in s and not isinstance(s[k], str):
-            raise _bad(f"storage {i} {k}")
+    if "elem" in s and type(s["elem"]) is not str or "choice" in s and type(s["choice"]) is not str:
+        raise _bad(f"storage {i} {'elem' if 'elem' in s and type(s['elem']) is not str else 'choice'}")
     codec = s.get("codec")
-    if not isinstance(codec, dict) or not isinstance(codec.get("id"), str):
+    if type(codec) is not dict or type(codec.get("id")) is not str:
         raise _bad(f"storage {i} codec")
     tfs = s.get("transforms", [])
-    if not isinstance(tfs, list):
+    if type(tfs) is not list:
         raise _bad(f"storage {i} transforms")
     # storages share a few chains, but a reference transform's "ref" differs per storage: the
     # cache key leaves it out, and a hit parses only that first transform again (its ints checked)
-    ref = tfs[0].get("ref") if tfs and isinstance(tfs[0], dict) and isinstance(tfs[0].get("ref"), dict) else None
+    ref = tfs[0].get("ref") if tfs and type(tfs[0]) is dict and type(tfs[0].get("ref")) is dict else None
     key = None
     if seen is not None:
-        key = (repr(codec), repr(tfs) if ref is None
-               else repr([{k: v for k, v in tfs[0].items() if k != "ref"}] + tfs[1:]))
+        key = _chain_key(codec, tfs) if ref is None else \
+            (repr(codec), repr([{k: v for k, v in tfs[0].items() if k != "ref"}] + tfs[1:]))
     hit = seen.get(key) if key is not None else None
     if hit is not None and ref is not None and hit[0][1] is not None:
         from .transforms import get_transform
@@ -198,6 +207,26 @@ def _storage(i: int, s: Any, seen: dict | None = None) -> tuple[int, list]:
         if t is not None and not t.accepts(nb):
             raise CorruptFileError(f"storage size does not fit its {tf['id']} transform (not a multiple of its width, or another size)")
     return nb, parsed
+
+
+def _chain_key(codec: dict, tfs: list) -> Any:
+    """A key equal for equal codec and transform configs: their items as tuples where every value
+    is a str or an int (what ckptzip writes), else their repr (which never equals such a tuple)."""
+    try:
+        if len(tfs) == 1 and type(tfs[0]) is dict:
+            key = (tuple(codec.items()), tuple(tfs[0].items()))
+        elif not tfs:
+            key = (tuple(codec.items()),)
+        else:
+            raise TypeError
+        hash(key)  # (a list or dict value: TypeError)
+        for part in key:
+            for _k, v in part:
+                if type(v) is not str and type(v) is not int:
+                    raise TypeError
+        return key
+    except TypeError:
+        return repr(codec), repr(tfs)
 
 
 def _chain(i: int, codec: dict, tfs: list) -> list:
@@ -334,44 +363,54 @@ class _Tree:
     def node(self, n: Any, depth: int) -> None:
         if depth > MAX_DEPTH:
             raise _bad(f"object tree nested deeper than {MAX_DEPTH}")
-        if n is None or isinstance(n, (bool, str)):
-            return
-        if not isinstance(n, dict) or not isinstance(n.get("t"), str):
+        if type(n) is not dict:  # (exact types, as json.loads makes them)
+            if n is None or type(n) is bool or type(n) is str:
+                return
             raise _bad(f"tree node {str(n)[:60]!r}")
-        t, v = n["t"], n.get("v")
-        if t not in NODE_TYPES:
+        t, v = n.get("t"), n.get("v")
+        if t == "tensor" or t == "ndarray":  # (most nodes, then dicts: tested first)
+            s = n.get("s")
+            if type(s) is not int or not 0 <= s < self.n_storages:
+                raise _bad(f"tensor refers to storage {str(s)[:20]!r}, which does not exist")
+        elif t == "dict" or t == "odict":
+            ks = n.get("k")
+            if type(ks) is not list or type(v) is not list or len(ks) != len(v):
+                raise _bad("dict node")
+            d = depth + 1
+            if all(type(k) is str for k in ks):  # (string keys: their own values)
+                if len(set(ks)) != len(ks):
+                    seen: set[Any] = set()
+                    dup = next(k for k in ks if k in seen or seen.add(k))
+                    raise _bad(f"dict node with duplicate key {dup[:60]!r}")
+            else:
+                seen = set()
+                for k in ks:
+                    self.node(k, d)
+                    kv = key_value(k)
+                    if kv in seen:
+                        raise _bad(f"dict node with duplicate key {str(kv)[:60]!r}")
+                    seen.add(kv)
+            for x in v:
+                self.node(x, d)
+        elif type(t) is not str:
+            raise _bad(f"tree node {str(n)[:60]!r}")
+        elif t not in NODE_TYPES:
             raise _bad(f"unknown tree node type {t[:40]!r}")
-        if t == "int":
+        elif t == "int":
             _check_int(v)
         elif t == "float":
-            if not isinstance(v, str) or not _FLOAT_RE.match(v):
+            if type(v) is not str or not _FLOAT_RE.match(v):
                 raise _bad("float node")
         elif t in ("list", "tuple"):
-            if not isinstance(v, list):
+            if type(v) is not list:
                 raise _bad(f"{t} node")
             for x in v:
                 self.node(x, depth + 1)
-        elif t in ("dict", "odict"):
-            ks = n.get("k")
-            if not isinstance(ks, list) or not isinstance(v, list) or len(ks) != len(v):
-                raise _bad("dict node")
-            seen: set[Any] = set()
-            for k, x in zip(ks, v):
-                self.node(k, depth + 1)
-                kv = key_value(k)
-                if kv in seen:
-                    raise _bad(f"dict node with duplicate key {str(kv)[:60]!r}")
-                seen.add(kv)
-                self.node(x, depth + 1)
-        elif t in ("tensor", "ndarray"):
-            s = n.get("s")
-            if not _is_int(s) or not 0 <= s < self.n_storages:
-                raise _bad(f"tensor refers to storage {str(s)[:20]!r}, which does not exist")
         elif t == "size":
-            if not isinstance(v, list) or not all(_is_int(x) and x >= 0 for x in v):
+            if type(v) is not list or not all(_is_int(x) and x >= 0 for x in v):
                 raise _bad("size node")
         elif t in ("bytes", "bytearray", "pickle", "dtype", "device", "npscalar"):
-            if not isinstance(v, str):
+            if type(v) is not str:
                 raise _bad(f"{t} node")
 
 

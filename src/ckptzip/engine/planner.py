@@ -77,11 +77,19 @@ def byteplane_for(ref: StorageRef, chunk_size: int) -> BytePlane | None:
     of storage): big enough that runs of raw planes move in few copies, small enough for windows."""
     w = ref.float_width
     if w and ref.data.numel() % w == 0:
-        return BytePlane(w, max(1, min(MAX_CHUNK // w, chunk_size * 16 // w)))
+        key = (w, chunk_size)
+        bp = _BYTEPLANES.get(key)  # (immutable: storages share one)
+        if bp is None:
+            bp = _BYTEPLANES[key] = BytePlane(w, max(1, min(MAX_CHUNK // w, chunk_size * 16 // w)))
+        return bp
     return None
 
 
+_BYTEPLANES: dict = {}
+
+
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_NONE: frozenset = frozenset()
 
 
 def _whole_words(chunk: int, width: int) -> int:
@@ -132,6 +140,8 @@ class Planner:
         self._rot16_held: bool | None = None
         #: raw-plane estimates computed ahead on a pool thread (see :meth:`estimate_ahead`)
         self._ahead = None
+        self._base: tuple | None = None  # (see :meth:`_base_codec`)
+        self._planes_codec: Codec | None = None
 
     def estimate_ahead(self, refs: list[StorageRef]) -> None:
         """CPU saves: start the raw-plane estimates (:func:`cpu_raw_planes`) of every float
@@ -155,6 +165,8 @@ class Planner:
             self._ahead = (fut, {id(r): k for k, r in enumerate(todo)}, bits)
 
     def _raw_planes(self, ref: StorageRef, width: int) -> frozenset:
+        if ref.data.numel() // width < 4 * CPU_ENTROPY_RUN:  # (not estimated: see cpu_raw_planes)
+            return _NONE
         if self._ahead is not None and width == ref.float_width:
             fut, index, bits = self._ahead
             k = index.get(id(ref))
@@ -203,19 +215,34 @@ class Planner:
             self._codecs[key] = get_codec(cfg, self.dev, **(local or {}))
         return self._codecs[key]
 
+    def _base_codec(self) -> tuple:
+        """What :meth:`base_plan` starts from, the same for every storage of a save: ``(config,
+        whether a level applies, ANS on byte planes, codec, whether floats get byte planes)``."""
+        got = self._base
+        if got is None:
+            cfg = self.cfg
+            if self.auto:
+                cfg = {"id": self.codec_id}
+            lvl = self.level is not None and cfg["id"] in ("zstd", "deflate") and self.dev == "cpu"
+            local = {"level": self.level} if lvl else {}
+            ans_planes = cfg["id"] == "ans" and "data_type" not in cfg
+            if ans_planes:
+                cfg = {"id": "ans", "data_type": "|u1"}
+                local = ANS_PLANES
+            c = self.codec(cfg, local)
+            want_tf = self.transform == "byteplane" or (self.transform == "auto" and c.wire_id != "raw")
+            got = self._base = (cfg, lvl, ans_planes, c, want_tf)
+        return got
+
+    def _plane_codec(self, cfg: dict) -> Codec:
+        """The CPU zstd codec with its parameters for byte planes (see :meth:`base_plan`)."""
+        if self._planes_codec is None:
+            self._planes_codec = self.codec(cfg, {"planes": 1})
+        return self._planes_codec
+
     def base_plan(self, ref: StorageRef) -> tuple[Plan, dict[str, Plan]]:
         """A storage's plan before sampling, and the variant plans to sample (if any)."""
-        cfg = self.cfg
-        if self.auto:
-            cfg = {"id": self.codec_id}
-        lvl = self.level is not None and cfg["id"] in ("zstd", "deflate") and self.dev == "cpu"
-        local = {"level": self.level} if lvl else {}
-        ans_planes = cfg["id"] == "ans" and "data_type" not in cfg
-        if ans_planes:
-            cfg = {"id": "ans", "data_type": "|u1"}
-            local = ANS_PLANES
-        c = self.codec(cfg, local)
-        want_tf = self.transform == "byteplane" or (self.transform == "auto" and c.wire_id != "raw")
+        cfg, lvl, ans_planes, c, want_tf = self._base_codec()
         tf = byteplane_for(ref, self.chunk_size) if want_tf else None
         if self.auto and cfg["id"] == "deflate" and self.dev == "cuda":
             # portable on a GPU: byte planes need only the entropy coder (nvCOMP Deflate's
@@ -236,7 +263,7 @@ class Planner:
             # CPU: zstd with parameters for byte planes unless a level was asked for, and raw
             # planes from a cheap entropy estimate instead of sampling with the codec
             if c.wire_id == "zstd" and not lvl and "level" not in cfg:
-                c = self.codec(cfg, {"planes": 1})
+                c = self._plane_codec(cfg)
             return Plan(tf, c, chunk, raw_planes=self._raw_planes(ref, tf.width)), {}
         plan = Plan(tf, c, chunk)
         if tf is None or ref.data.numel() < MIN_SAMPLED:

@@ -194,7 +194,7 @@ def find_expref(root, refs: list[StorageRef], skip: set, keys: dict | None = Non
     of the same size: the planner samples each and keeps it only where it pays. Pairs are found
     by key alone (no GPU work); storages in ``skip`` already have a reference. ``keys``:
     :func:`~ckptzip.tree.tensor_keys` of ``root`` if the caller has them."""
-    keys = keys if keys is not None else tensor_keys(root)[0]
+    keys = keys if keys is not None else tensor_keys(root, escaped=False)[0]
     found: dict[int, ExpRef] = {}
     for key, node in keys.items():
         m = _EXP_AVG.match(key)
@@ -232,7 +232,7 @@ def find_expgrid(root, refs: list[StorageRef], skip: set, keys: dict | None = No
     the planner samples each candidate and keeps it only where it pays. With ``reuse``, the fits
     made for the same layout by one of the last REFIT_EVERY saves are taken again (no fit: no
     pass over the storages, no device sync)."""
-    keys = keys if keys is not None else tensor_keys(root)[0]
+    keys = keys if keys is not None else tensor_keys(root, escaped=False)[0]
     found: dict[int, tuple] = {}
     for key, node in keys.items():
         if _EXP_AVG_SQ.match(key) is None or node.get("t") != "tensor" or node.get("dtype") != "float32":
