@@ -278,12 +278,12 @@ class CheckpointReader:
     # -- data -------------------------------------------------------------------------------
     def _storage_index(self, node: dict[str, Any]) -> int:
         s = node.get("s")
-        if type(s) is not int or not 0 <= s < len(self.storages):
+        if type(s) is not int or not 0 <= s < len(self.manifest.doc["storages"]):
             raise CorruptFileError(f"tensor refers to storage {s!r}, which does not exist")
         return s
 
     def _job(self, i: int, t: str = "tensor") -> Job:
-        s = self.storages[i]
+        s = self.manifest.doc["storages"][i]
         ml = self.map_location if t == "tensor" else "cpu"
         if _maps_storages(ml):
             dev = torch.device("cpu")  # decoded on the host, then handed to ml(storage, location)
@@ -300,7 +300,7 @@ class CheckpointReader:
     def _job_into(self, i: int, out: torch.Tensor) -> Job:
         """A job that decodes storage ``i`` into ``out``; a reference transform comes back unbound
         (see :meth:`_fill`)."""
-        s = self.storages[i]
+        s = self.manifest.doc["storages"][i]
         first, count = s["rows"]
         chain = self.manifest.chains[i] if self.manifest.chains is not None else None
         return self._job_of(s, self.manifest.rows[first:first + count], out, chain)
@@ -362,7 +362,8 @@ class CheckpointReader:
         references level by level."""
         need = dict(outs)
         extra = 0  # bytes of temporaries: referred-to storages nobody asked for
-        asked = sum(self.storages[j]["nbytes"] for j in outs if 0 <= j < len(self.storages))
+        storages = self.storages
+        asked = sum(storages[j]["nbytes"] for j in outs if 0 <= j < len(storages))
         jobs: dict[int, Job] = {}
         todo = list(need)
         while todo:
@@ -527,8 +528,9 @@ class CheckpointReader:
         for n in (self._tensor_nodes().values() if self._paths is not None else tensor_nodes(self.manifest.doc["root"])):
             if type(n.get("s")) is int:
                 kinds.setdefault(n["s"], n["t"])
-        kinds = {i: t for i, t in sorted(kinds.items()) if 0 <= i < len(self.storages)}
-        self._check_budget(sum(self.storages[i]["nbytes"] for i in kinds), "the checkpoint")
+        storages = self.storages
+        kinds = {i: t for i, t in sorted(kinds.items()) if 0 <= i < len(storages)}
+        self._check_budget(sum(storages[i]["nbytes"] for i in kinds), "the checkpoint")
         jobs = {i: self._job(i, t) for i, t in kinds.items()}
         outs = {i: j.out for i, j in jobs.items()}
         self._decode(jobs, idle=(lambda: early(outs)) if early is not None else None)

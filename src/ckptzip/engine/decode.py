@@ -202,7 +202,12 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     pending = False  # a break whose job had no batch (an empty storage) goes to the next batch made
     for k, job in enumerate(jobs):
         pending = pending or k in breaks
-        for i, j, a, b in batches(job.rows, job.stream_nbytes, job.tf, window, job.ref.word if job.ref else 1):
+        nb, nr = job.stream_nbytes, len(job.rows)
+        if nb <= window and nr:  # (most storages: one batch; see batches())
+            items.append((job, 0, nr, 0, nb, pending))
+            pending = False
+            continue
+        for i, j, a, b in batches(job.rows, nb, job.tf, window, job.ref.word if job.ref else 1):
             items.append((job, i, j, a, b, pending))
             pending = False
     grouped: list[list] = []
