@@ -528,6 +528,8 @@ GRID_BLOCK = 1 << 24
 #: a CPU fit takes each row's mean from at least this many columns and each column's from at
 #: least this many rows (evenly strided)
 FIT_SAMPLES = 256
+#: CPU fits are spread over the calling thread and the pool's in tasks of at least this many bytes
+FIT_TASK = 1 << 20
 
 
 def _torch_exp_add22(x: torch.Tensor, o: torch.Tensor, p: torch.Tensor, sign: int) -> None:
@@ -640,8 +642,10 @@ class ExpGrid(_ExpPredictor):
                 rm, cm = np.empty(rows, dtype=np.float64), np.empty(cols, dtype=np.float64)
                 lib.exp_fit(data.numpy(), rm, cm, rows, cols, max(1, cols // FIT_SAMPLES), max(1, rows // FIT_SAMPLES))
                 fitted[k] = (torch.from_numpy(rm), torch.from_numpy(cm))
-            from ..codecs.cpu import pmap_sized
-            pmap_sized(lambda i: one(cpu_items[i]), [items[k][0].numel() for k in cpu_items])
+            # (the calling thread takes its share: behind other pool work, such as the planner's
+            # estimates, the fits queued for the pool's threads while it waited)
+            from ..codecs.cpu import pmap_balanced
+            pmap_balanced(lambda i: one(cpu_items[i]), [items[k][0].numel() for k in cpu_items], FIT_TASK)
         for slot, (data, rows, cols) in enumerate(items):
             if fitted[slot] is not None:
                 continue
