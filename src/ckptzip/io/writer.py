@@ -162,7 +162,7 @@ class ChunkWriter:
             pad0, start = self._place(0)
             offs = offs + start
             block = enc.rows(offs)
-            views = [memoryview(t.numpy()) for t in enc.tensors]  # (flat uint8: slices of memoryviews
+            views = [memoryview(t.numpy().reshape(-1)) for t in enc.tensors]  # (flat uint8: slices of memoryviews
             bufs = [views[t][so:so + ln]                           # cost less than numpy's)
                     for t, so, ln in zip(enc.src.tolist(), enc.soff.tolist(), enc.stored.tolist())]
             pads = (np.append(offs[1:], start + total) - offs - enc.stored).tolist()
