@@ -162,8 +162,9 @@ class ChunkWriter:
             pad0, start = self._place(0)
             offs = offs + start
             block = enc.rows(offs)
-            views = [memoryview(t.numpy().reshape(-1)) for t in enc.tensors]  # (flat uint8: slices of memoryviews
-            bufs = [views[t][so:so + ln]                           # cost less than numpy's)
+            # (slices of flat byte memoryviews: they cost less than numpy's slices, per chunk)
+            views = [memoryview(t.numpy().reshape(-1)) for t in enc.tensors]
+            bufs = [views[t][so:so + ln]
                     for t, so, ln in zip(enc.src.tolist(), enc.soff.tolist(), enc.stored.tolist())]
             pads = (np.append(offs[1:], start + total) - offs - enc.stored).tolist()
             parts = [_ZEROS[:pad0]] if pad0 else []
