@@ -929,8 +929,8 @@ def test_raw_plane_estimates_made_ahead_give_the_same_file(monkeypatch):
     real = P.Planner._raw_planes
 
     def spy(self, ref, width):
-        if self._ahead is not None:  # (finished first: estimates still queued are not waited for)
-            self._ahead[0].result()
+        if self._ahead is not None and self._ahead[0] is not None:  # (finished first: estimates
+            self._ahead[0].result()                                  # still queued are made inline)
         used.append(self._ahead is not None and id(ref) in self._ahead[1])
         return real(self, ref, width)
     monkeypatch.setattr(P.Planner, "_raw_planes", spy)
@@ -943,13 +943,18 @@ def test_raw_plane_estimates_made_ahead_give_the_same_file(monkeypatch):
     assert a.getvalue() == b.getvalue()
 
 
-def test_raw_plane_estimates_queued_behind_other_work_are_not_waited_for():
+def test_raw_plane_estimates_queued_behind_other_work_are_not_waited_for(monkeypatch):
     """Estimates still queued when planning needs them (the CPU pool busy with another save or
-    load) are cancelled and made on the planning thread: the save does not wait for the pool's
-    queue, and writes the same file."""
+    load) are cancelled and made on the planning thread, all in the one call the pool would
+    have made (not storage by storage): the save does not wait for the pool's queue, and writes
+    the same file."""
     import threading
     import time
     from ckptzip.codecs import cpu as ccpu
+    from ckptzip.engine import planner as P
+    one_by_one = []
+    real = P.cpu_raw_planes
+    monkeypatch.setattr(P, "cpu_raw_planes", lambda *a: one_by_one.append(1) or real(*a))
     g = torch.Generator().manual_seed(6)
     obj = {f"w{i}": torch.randn(70_000, generator=g) for i in range(3)}
     want = io.BytesIO()
@@ -966,6 +971,7 @@ def test_raw_plane_estimates_queued_behind_other_work_are_not_waited_for():
         for f in busy:
             f.result()
     assert took < 2.5 and got.getvalue() == want.getvalue()
+    assert not one_by_one
 
 
 def test_cpu_save_pieces_and_runs_give_the_same_file(monkeypatch):

@@ -150,7 +150,7 @@ class Planner:
         reference searches of :mod:`refplan`, the object tree's keys); :meth:`base_plan` takes
         them from there (a 2-core save of the fp32 benchmark state estimates 57 storages, 2-3 ms
         on the caller's thread). Estimates still queued when they are needed are not waited
-        for: :meth:`_raw_planes` makes them itself."""
+        for: :meth:`_raw_planes` makes them all itself, in the same one call."""
         if (self.dev != "cpu" or self.transform not in ("auto", "byteplane") or native.lib is None
                 or self.codec_id == "raw"):
             return
@@ -162,20 +162,24 @@ class Planner:
             bits = np.empty((len(todo), 8), dtype=np.float64)
             srcs = [r.data.numpy() for r in todo]
             fut = _pool().submit(native.lib.plane_entropy_many, srcs, widths, bits, CPU_ENTROPY_RUN)
-            self._ahead = (fut, {id(r): k for k, r in enumerate(todo)}, bits)
+            self._ahead = (fut, {id(r): k for k, r in enumerate(todo)}, bits, srcs, widths)
 
     def _raw_planes(self, ref: StorageRef, width: int) -> frozenset:
         if ref.data.numel() // width < 4 * CPU_ENTROPY_RUN:  # (not estimated: see cpu_raw_planes)
             return _NONE
         if self._ahead is not None and width == ref.float_width:
-            fut, index, bits = self._ahead
+            fut, index, bits, srcs, widths = self._ahead
             k = index.get(id(ref))
             if k is not None:
-                if fut.cancel():  # (still queued behind other work in the pool: not waited for)
-                    self._ahead = None
+                if fut is None:
+                    pass  # (made here already)
+                elif fut.cancel():  # still queued (behind other pool work, or its thread not yet
+                    # awake: a bf16 save plans at once): not waited for, made here in one call
+                    native.lib.plane_entropy_many(srcs, widths, bits, CPU_ENTROPY_RUN)
+                    self._ahead = (None, index, bits, srcs, widths)
                 else:
                     fut.result()
-                    return frozenset(int(p) for p in np.nonzero(bits[k, :width] > 8 * CPU_RAW_ENTROPY)[0])
+                return frozenset(int(p) for p in np.nonzero(bits[k, :width] > 8 * CPU_RAW_ENTROPY)[0])
         return cpu_raw_planes(ref.data, width)
 
     def settle(self) -> None:
@@ -183,7 +187,7 @@ class Planner:
         leaves no pool thread still reading the caller's tensors."""
         if self._ahead is not None:
             fut = self._ahead[0]
-            if not fut.cancel():
+            if fut is not None and not fut.cancel():
                 concurrent.futures.wait([fut])
             self._ahead = None
 
