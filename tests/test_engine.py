@@ -1116,3 +1116,26 @@ def test_each_damaged_chunk_of_a_mixed_state_is_a_checksum_error(tmp_path, monke
         write_parts(q, data[:off] + bytes([data[off] ^ 0x5A]) + data[off + 1:], doc, rows)
         with pytest.raises(ckptzip.ChecksumError):
             ckptzip.load(io.BytesIO(q.read_bytes()) if k % 2 else q)
+
+
+def test_small_cpu_float_storages_skip_the_byteplane_transform():
+    """CPU saves store float storages under CPU_MIN_TRANSFORMED bytes (biases, norms, Adam's step
+    counters) as one zstd frame of whole words, not one frame per byte plane; larger ones keep
+    their byte planes; both load back bit for bit, and with transform="byteplane" asked for, small
+    ones keep it too."""
+    from ckptzip.engine import planner as P
+    g = torch.Generator().manual_seed(7)
+    n = P.CPU_MIN_TRANSFORMED // 4
+    obj = {"step": torch.tensor(3.0), "bias": torch.randn(n - 1, generator=g), "w": torch.randn(n, generator=g),
+           "h": torch.randn(2 * n, generator=g).bfloat16()}
+    for tf, small_planes in (("auto", False), ("byteplane", True)):
+        b = io.BytesIO()
+        ckptzip.save(obj, b, device="cpu", transform=tf)
+        with ckptzip.open(io.BytesIO(b.getvalue())) as r:
+            ids = {k: [t["id"] for t in r.storages[x["s"]].get("transforms", [])] for k, x in r._tensor_nodes().items()}
+            rows = {k: r.storages[x["s"]]["rows"][1] for k, x in r._tensor_nodes().items()}
+        assert ids["w"] == ["byteplane"] and ids["h"] == ["byteplane"] and rows["w"] >= 4
+        assert (ids["step"] == ids["bias"] == ["byteplane"]) if small_planes else (ids["step"] == ids["bias"] == [])
+        assert small_planes or rows["step"] == rows["bias"] == 1
+        got = ckptzip.load(io.BytesIO(b.getvalue()))
+        assert all(torch.equal(got[k].reshape(-1).view(torch.uint8), obj[k].reshape(-1).view(torch.uint8)) for k in obj)

@@ -118,7 +118,7 @@ def test_zstd_frame_shorter_than_declared(tmp_path):
 def small(tmp_path):
     p = tmp_path / "s.ckz"
     torch.manual_seed(0)
-    obj = {"w": torch.randn(512), "i": torch.arange(100), "n": 5}
+    obj = {"w": torch.randn(2048), "i": torch.arange(100), "n": 5}
     ckptzip.save(obj, p, codec="zstd", device="cpu")
     return p, obj
 
@@ -282,7 +282,7 @@ def test_each_storage_chain_is_checked_even_where_it_equals_an_earlier_one(tmp_p
     first one's parse."""
     p = tmp_path / "two.ckz"
     torch.manual_seed(0)
-    ckptzip.save({"a": torch.randn(512), "b": torch.randn(512)}, p, codec="zstd", device="cpu")
+    ckptzip.save({"a": torch.randn(2048), "b": torch.randn(2048)}, p, codec="zstd", device="cpu")
 
     def edit(d):
         first, second = [s for s in d["storages"] if s["transforms"]][:2]
@@ -632,7 +632,7 @@ def test_storage_row_ranges_checked_as_a_whole(tmp_path):
     in either file order and with empty ranges around, and chunks that do not add up to a
     storage's size, are CorruptFileError before anything is decoded."""
     p = tmp_path / "a.ckz"
-    ckptzip.save({"a": torch.randn(5000), "b": torch.randn(3000), "c": torch.zeros(0), "d": torch.randn(7)}, p)
+    ckptzip.save({"a": torch.randn(5000), "b": torch.randn(3000), "c": torch.zeros(0), "d": torch.randn(2000)}, p)
     data, doc, rows = read_parts(p)
     st = doc["storages"]
     nonempty = [k for k, s in enumerate(st) if s["rows"][1]]

@@ -54,8 +54,9 @@ VERIFY_IN_PIECES = True
 #: the pass they save (2-core loads from memory, medians of 11 interleaved rounds: 200 tensors
 #: of 200 KB 81 -> 65 ms fused from 32 KiB on; 800 of 52 KB no faster)
 FUSED_MIN = 64 << 10
-#: CPU batches of byte planes alone (no reference transform, whole-word rotation) up to this
-#: size are undone in one loop on the decoding thread, each by one call of the C extension: the
+#: CPU batches of byte planes alone (no reference transform, whole-word rotation), or without a
+#: transform, up to this size are undone in one loop on the decoding thread, each by one call
+#: of the C extension (or a copy): the
 #: general path (tensor slices, checks, the pool's runs) cost about 35 us per batch, more than
 #: the work for the norms, biases and counters of a model state (151 of the 208 storages of
 #: bench/cpu_bench.py's state are under 64 KiB, 0.4 % of its bytes)
@@ -708,7 +709,8 @@ def _cpu_untransform(stream: torch.Tensor, grp: list, starts: list[int]) -> None
     scratch whenever a group has one). Small batches of byte planes alone are undone first, in
     one loop on this thread (:data:`SMALL_INVERSE`)."""
     if native.lib is not None:
-        is_small = [b - a <= SMALL_INVERSE and job.ref is None and type(job.tf) is BytePlane and job.tf.rotate is None
+        is_small = [b - a <= SMALL_INVERSE and job.ref is None
+                    and (job.tf is None or type(job.tf) is BytePlane and job.tf.rotate is None)
                     for job, _i, _j, a, b in grp]
         if any(is_small):
             s, dec = stream.numpy(), native.lib.decode
@@ -716,6 +718,9 @@ def _cpu_untransform(stream: torch.Tensor, grp: list, starts: list[int]) -> None
 
             def one(k: int) -> None:
                 (job, _i, _j, a, b), pos = small[k]
+                if job.tf is None:  # (a small storage without transform: a copy)
+                    np.copyto(job.out.numpy()[a:b], s[pos:pos + (b - a)])
+                    return
                 w = job.tf.width
                 dec(s[pos:pos + (b - a)], job.out.numpy()[a:b], w, job.tf.block, 0, (b - a) // w)
             pmap_sized(one, [item[4] - item[3] for item, _pos in small], inline_small=True)

@@ -47,6 +47,11 @@ CPU_RAW_ENTROPY = 0.97
 CPU_ENTROPY_RUN = 1 << 12
 MIN_SAMPLED = 1 << 20
 MIN_TRANSFORMED = 64 << 10  # on the GPU, smaller float storages skip the byteplane transform
+#: on the CPU, float storages under this many bytes skip it: one zstd frame of whole words (the
+#: biases, norms and step counters of a model state; their planes were chunks of a few bytes to
+#: a few hundred, each its own frame, row and checksum). Smaller files too (docs/benchmarks.md,
+#: "Twenty-third session")
+CPU_MIN_TRANSFORMED = 4 << 10
 #: chunk sizes tried for the exponent plane (locally varying exponents, as in Adam's v, favour
 #: small chunks; trained weights favour large ones). Smaller chunks cost nvCOMP throughput, so a
 #: smaller one is taken only when it saves at least MIN_GAIN of the whole storage.
@@ -263,6 +268,8 @@ class Planner:
             return Plan(None, self.codec({"id": "ans", "data_type": word}), _whole_words(chunk, tf.width)), {}
         if self.auto and cfg["id"] == "ans" and tf is None and ref.elem.startswith("float8"):
             return Plan(None, self.codec({"id": "ans", "data_type": "|f1"}), chunk), {}
+        if self.dev == "cpu" and tf is not None and self.transform == "auto" and ref.data.numel() < CPU_MIN_TRANSFORMED:
+            return Plan(None, c, chunk), {}
         if self.dev == "cpu" and tf is not None:
             # CPU: zstd with parameters for byte planes unless a level was asked for, and raw
             # planes from a cheap entropy estimate instead of sampling with the codec
