@@ -268,13 +268,14 @@ class Planner:
             return Plan(None, self.codec({"id": "ans", "data_type": word}), _whole_words(chunk, tf.width)), {}
         if self.auto and cfg["id"] == "ans" and tf is None and ref.elem.startswith("float8"):
             return Plan(None, self.codec({"id": "ans", "data_type": "|f1"}), chunk), {}
-        if self.dev == "cpu" and tf is not None and self.transform == "auto" and ref.data.numel() < CPU_MIN_TRANSFORMED:
-            return Plan(None, c, chunk), {}
         if self.dev == "cpu" and tf is not None:
-            # CPU: zstd with parameters for byte planes unless a level was asked for, and raw
+            # CPU: zstd with parameters for byte planes unless a level was asked for (also for
+            # the small storages stored without planes: one codec call per group), and raw
             # planes from a cheap entropy estimate instead of sampling with the codec
             if c.wire_id == "zstd" and not lvl and "level" not in cfg:
                 c = self._plane_codec(cfg)
+            if self.transform == "auto" and ref.data.numel() < CPU_MIN_TRANSFORMED:
+                return Plan(None, c, chunk), {}
             return Plan(tf, c, chunk, raw_planes=self._raw_planes(ref, tf.width)), {}
         plan = Plan(tf, c, chunk)
         if tf is None or ref.data.numel() < MIN_SAMPLED:
