@@ -1139,3 +1139,20 @@ def test_small_cpu_float_storages_skip_the_byteplane_transform():
         assert small_planes or rows["step"] == rows["bias"] == 1
         got = ckptzip.load(io.BytesIO(b.getvalue()))
         assert all(torch.equal(got[k].reshape(-1).view(torch.uint8), obj[k].reshape(-1).view(torch.uint8)) for k in obj)
+
+
+def test_small_storages_without_planes_keep_whole_words_per_chunk():
+    """The plan of a small storage without byte planes rounds an odd ``chunk_size`` down to whole
+    words, so a bf16 copy of a float32 storage is still stored as ``derived`` (its words may not
+    be split between chunks)."""
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(200, generator=g)
+    obj = {"w": w, "h": w.bfloat16()}
+    for cs in (64, 65, 67):
+        b = io.BytesIO()
+        ckptzip.save(obj, b, device="cpu", chunk_size=cs)
+        with ckptzip.open(io.BytesIO(b.getvalue())) as r:
+            ids = {k: [t["id"] for t in r.storages[x["s"]].get("transforms", [])] for k, x in r._tensor_nodes().items()}
+        assert ids["h"] == ["derived"], (cs, ids)
+        got = ckptzip.load(io.BytesIO(b.getvalue()))
+        assert torch.equal(got["h"].view(torch.int16), obj["h"].view(torch.int16)) and torch.equal(got["w"], w)

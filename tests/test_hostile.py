@@ -295,6 +295,25 @@ def test_each_storage_chain_is_checked_even_where_it_equals_an_earlier_one(tmp_p
         ckptzip.load(q)
 
 
+def test_a_reference_transform_without_its_ref_is_parsed_on_its_own(tmp_path):
+    """Chains with a reference transform share a parse keyed without their "ref"; a chain whose
+    first transform has no "ref" at all must not take that key (it was given the earlier
+    storage's reference and decoded with it): it is refused by its own parse."""
+    p = tmp_path / "three.ckz"
+    torch.manual_seed(0)
+    ckptzip.save({k: torch.randn(2048) for k in "abc"}, p, codec="zstd", device="cpu")
+
+    def edit(d):
+        st = d["storages"]
+        bp = st[0]["transforms"][-1]
+        assert bp["id"] == "byteplane" and all(s["nbytes"] == st[0]["nbytes"] for s in st)
+        st[0]["transforms"] = [{"id": "expref", "ref": {"storage": 2}}, bp]
+        st[1]["transforms"] = [{"id": "expref"}, bp]
+    q = forge(tmp_path, p, edit)
+    with pytest.raises((ckptzip.UnknownCodecError, ckptzip.CorruptFileError), match="expref"):
+        ckptzip.load(q)
+
+
 def test_terabyte_declared_by_small_file(tmp_path):
     """A 1.7 MB file whose 65,536 rows of 16 MiB all point at one small zstd frame declares a
     1 TiB storage: ResourceLimitError (a CorruptFileError) before any allocation."""

@@ -188,9 +188,9 @@ def _storage(i: int, s: Any, seen: dict | None = None) -> tuple[int, list]:
     # cache key leaves it out, and a hit parses only that first transform again (its ints checked)
     ref = tfs[0].get("ref") if tfs and type(tfs[0]) is dict and type(tfs[0].get("ref")) is dict else None
     key = None
-    if seen is not None:
-        key = _chain_key(codec, tfs) if ref is None else \
-            (repr(codec), repr([{k: v for k, v in tfs[0].items() if k != "ref"}] + tfs[1:]))
+    if seen is not None:  # (tagged: a chain without "ref" never takes the key of one with it)
+        key = ("plain", _chain_key(codec, tfs)) if ref is None else \
+            ("ref", repr(codec), repr([{k: v for k, v in tfs[0].items() if k != "ref"}] + tfs[1:]))
     hit = seen.get(key) if key is not None else None
     if hit is not None and ref is not None and hit[0][1] is not None:
         from .transforms import get_transform

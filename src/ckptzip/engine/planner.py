@@ -47,11 +47,12 @@ CPU_RAW_ENTROPY = 0.97
 CPU_ENTROPY_RUN = 1 << 12
 MIN_SAMPLED = 1 << 20
 MIN_TRANSFORMED = 64 << 10  # on the GPU, smaller float storages skip the byteplane transform
-#: on the CPU, float storages under this many bytes skip it: one zstd frame of whole words (the
-#: biases, norms and step counters of a model state; their planes were chunks of a few bytes to
-#: a few hundred, each its own frame, row and checksum). Smaller files too (docs/benchmarks.md,
+#: on the CPU, float storages under this many bytes skip it: whole words in zstd frames of the
+#: chunk size, one frame at the default 1 MiB (the biases, norms and step counters of a model
+#: state; their planes were chunks of a few bytes to a few hundred, each its own frame, row and
+#: checksum). Smaller files too; from 1 KiB up, byte planes pay (docs/benchmarks.md,
 #: "Twenty-third session")
-CPU_MIN_TRANSFORMED = 4 << 10
+CPU_MIN_TRANSFORMED = 1 << 10
 #: chunk sizes tried for the exponent plane (locally varying exponents, as in Adam's v, favour
 #: small chunks; trained weights favour large ones). Smaller chunks cost nvCOMP throughput, so a
 #: smaller one is taken only when it saves at least MIN_GAIN of the whole storage.
@@ -275,7 +276,7 @@ class Planner:
             if c.wire_id == "zstd" and not lvl and "level" not in cfg:
                 c = self._plane_codec(cfg)
             if self.transform == "auto" and ref.data.numel() < CPU_MIN_TRANSFORMED:
-                return Plan(None, c, chunk), {}
+                return Plan(None, c, _whole_words(chunk, tf.width)), {}
             return Plan(tf, c, chunk, raw_planes=self._raw_planes(ref, tf.width)), {}
         plan = Plan(tf, c, chunk)
         if tf is None or ref.data.numel() < MIN_SAMPLED:
