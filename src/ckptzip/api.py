@@ -377,9 +377,9 @@ class CheckpointReader:
             if job.ref is not None and job.ref.local:
                 k = job.ref.storage
                 if k not in need:
-                    extra += self.storages[k]["nbytes"]
+                    extra += storages[k]["nbytes"]
                     self._check_budget(asked + extra, "the requested storages with those they refer to")
-                    need[k] = empty_bytes(self.storages[k]["nbytes"], need[i].device)
+                    need[k] = empty_bytes(storages[k]["nbytes"], need[i].device)
                 todo.append(k)
         level = _ref_levels(jobs)
         order = sorted(jobs, key=lambda i: (level[i], i))

@@ -120,9 +120,9 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
         units = [u for i, (ref, plan) in enumerate(zip(enc.storages, plans))
                  for u in units_of(i, ref.data, plan, window)]
         return SaveJob(root, meta, enc.storages, plans, list(groups(units, window)), total, bases)
-
     finally:  # (estimates started ahead are waited for or cancelled, whatever happens)
         planner.settle()
+
 
 def _planned_groups(planner, refs: list, plans: list, window: int, ref_tfs: dict) -> Iterator[list]:
     """The groups of a streamed save: storages planned in consecutive batches (their sampling

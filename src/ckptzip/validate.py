@@ -176,8 +176,10 @@ def _storage(i: int, s: Any, seen: dict | None = None) -> tuple[int, list]:
     dev = s.get("device", "cpu")
     if dev != "cpu" and (type(dev) is not str or not DEVICE_RE.match(dev)):
         raise _bad(f"storage {i} device {str(dev)[:40]!r} (cpu, cuda or cuda:N)")
-    if "elem" in s and type(s["elem"]) is not str or "choice" in s and type(s["choice"]) is not str:
-        raise _bad(f"storage {i} {'elem' if 'elem' in s and type(s['elem']) is not str else 'choice'}")
+    if "elem" in s and type(s["elem"]) is not str:
+        raise _bad(f"storage {i} elem")
+    if "choice" in s and type(s["choice"]) is not str:
+        raise _bad(f"storage {i} choice")
     codec = s.get("codec")
     if type(codec) is not dict or type(codec.get("id")) is not str:
         raise _bad(f"storage {i} codec")

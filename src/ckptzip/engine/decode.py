@@ -56,10 +56,10 @@ VERIFY_IN_PIECES = True
 FUSED_MIN = 64 << 10
 #: CPU batches of byte planes alone (no reference transform, whole-word rotation), or without a
 #: transform, up to this size are undone in one loop on the decoding thread, each by one call
-#: of the C extension (or a copy): the
-#: general path (tensor slices, checks, the pool's runs) cost about 35 us per batch, more than
-#: the work for the norms, biases and counters of a model state (151 of the 208 storages of
-#: bench/cpu_bench.py's state are under 64 KiB, 0.4 % of its bytes)
+#: of the C extension (or a copy): the general path (tensor slices, checks, the pool's runs)
+#: cost about 35 us per batch, more than the work for the norms, biases and counters of a model
+#: state (151 of the 208 storages of bench/cpu_bench.py's state are under 64 KiB, 0.4 % of its
+#: bytes)
 SMALL_INVERSE = 64 << 10
 #: read buffers (decode groups) in flight: the caller holds up to two (one decoding on the
 #: GPU), the reader fills the others ahead of it
@@ -706,8 +706,8 @@ def _cpu_untransform(stream: torch.Tensor, grp: list, starts: list[int]) -> None
     """Undo the transforms of a CPU group (batch k at ``starts[k]`` of ``stream``) into the CPU
     destinations, storages spread over the CPU pool's threads (numpy releases the GIL). A
     reference transform is undone last, from a scratch buffer it may overwrite (``stream`` is
-    scratch whenever a group has one). Small batches of byte planes alone are undone first, in
-    one loop on this thread (:data:`SMALL_INVERSE`)."""
+    scratch whenever a group has one). Small batches of byte planes alone, or without a
+    transform, are undone (copied) first, in one loop on this thread (:data:`SMALL_INVERSE`)."""
     if native.lib is not None:
         is_small = [b - a <= SMALL_INVERSE and job.ref is None
                     and (job.tf is None or type(job.tf) is BytePlane and job.tf.rotate is None)

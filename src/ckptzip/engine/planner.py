@@ -104,13 +104,19 @@ def _whole_words(chunk: int, width: int) -> int:
     return max(width, chunk // width * width)
 
 
+def _estimated(nbytes: int, width: int) -> bool:
+    """Whether a storage of ``nbytes`` holds enough words of ``width`` bytes for the raw-plane
+    estimate's 4 runs of CPU_ENTROPY_RUN words (smaller ones send every plane to the codec)."""
+    return nbytes // width >= 4 * CPU_ENTROPY_RUN
+
+
 def cpu_raw_planes(data: torch.Tensor, width: int) -> frozenset:
     """Byte planes (as :class:`BytePlane` numbers them) whose order-0 entropy, estimated on up to
     4 runs of CPU_ENTROPY_RUN words spread over ``data``, exceeds CPU_RAW_ENTROPY. Storages under
     4 runs are not estimated (all planes go to the codec; a chunk that does not shrink stays
     raw)."""
     n, k = data.numel() // width, CPU_ENTROPY_RUN
-    if n < 4 * k:
+    if not _estimated(data.numel(), width):
         return frozenset()
     # numpy, not torch ops: torch's intra-op threads stall when the cores are oversubscribed
     words = data[:n * width] if data.device.type == "cpu" else data[:n * width].cpu()
@@ -161,7 +167,7 @@ class Planner:
                 or self.codec_id == "raw"):
             return
         todo = [r for r in refs if r.float_width and r.data.device.type == "cpu" and r.data.numel() % r.float_width == 0
-                and r.data.numel() // r.float_width >= 4 * CPU_ENTROPY_RUN]
+                and _estimated(r.data.numel(), r.float_width)]
         if len(todo) > 1:
             from ..codecs.cpu import _pool
             widths = np.fromiter((r.float_width for r in todo), dtype=np.int64, count=len(todo))
@@ -171,7 +177,7 @@ class Planner:
             self._ahead = (fut, {id(r): k for k, r in enumerate(todo)}, bits, srcs, widths)
 
     def _raw_planes(self, ref: StorageRef, width: int) -> frozenset:
-        if ref.data.numel() // width < 4 * CPU_ENTROPY_RUN:  # (not estimated: see cpu_raw_planes)
+        if not _estimated(ref.data.numel(), width):
             return _NONE
         if self._ahead is not None and width == ref.float_width:
             fut, index, bits, srcs, widths = self._ahead
@@ -244,10 +250,11 @@ class Planner:
             got = self._base = (cfg, lvl, ans_planes, c, want_tf)
         return got
 
-    def _plane_codec(self, cfg: dict) -> Codec:
-        """The CPU zstd codec with its parameters for byte planes (see :meth:`base_plan`)."""
+    def _plane_codec(self) -> Codec:
+        """The CPU zstd codec of :meth:`_base_codec`'s config with its parameters for byte planes
+        (see :meth:`base_plan`)."""
         if self._planes_codec is None:
-            self._planes_codec = self.codec(cfg, {"planes": 1})
+            self._planes_codec = self.codec(self._base_codec()[0], {"planes": 1})
         return self._planes_codec
 
     def base_plan(self, ref: StorageRef) -> tuple[Plan, dict[str, Plan]]:
@@ -274,7 +281,7 @@ class Planner:
             # the small storages stored without planes: one codec call per group), and raw
             # planes from a cheap entropy estimate instead of sampling with the codec
             if c.wire_id == "zstd" and not lvl and "level" not in cfg:
-                c = self._plane_codec(cfg)
+                c = self._plane_codec()
             if self.transform == "auto" and ref.data.numel() < CPU_MIN_TRANSFORMED:
                 return Plan(None, c, _whole_words(chunk, tf.width)), {}
             return Plan(tf, c, chunk, raw_planes=self._raw_planes(ref, tf.width)), {}
