@@ -662,6 +662,80 @@ def test_fused_planes_refuses_bad_tables_and_frames():
     assert got is not None and got[0] == c
 
 
+def test_fused_planes_verify_their_chunks_first():
+    """With the chunk table's checksums, ``planes_fused`` verifies every chunk whose words start
+    in its range before it decodes anything: a damaged stored or zstd chunk is (index,
+    "checksum") and the destination is left as it was; a checksum column of another length is
+    a ValueError."""
+    from ckptzip import native
+    from ckptzip.format import checksum
+    lib = _fused_lib()
+    if not native.XXH3:
+        pytest.skip("XXH3 is not available to the C extension")
+    words, src, rows, soffs = _fused_case(7, 4, 1000, 400, 150, 0.5)
+    t = _fused_table(rows, BytePlane(4, 400), 4000)
+    t = [*t[:3], soffs, t[3]]
+    sums = np.array([checksum(memoryview(src)[o:o + n]) for o, n in zip(soffs.tolist(), t[4].tolist())],
+                    dtype=np.uint64)
+    dst = np.zeros(4000, np.uint8)
+    assert lib.planes_fused(src, dst, 4, *t, 0, 1000, sums) is None
+    assert bytes(dst) == words.view(np.uint8).tobytes()
+    for kind in (0, 1):
+        i = int(np.nonzero((t[0] >> 8) == kind)[0][-1])
+        bad = src.copy()
+        bad[soffs[i]] ^= 1
+        dst = np.full(4000, 7, np.uint8)
+        assert lib.planes_fused(bad, dst, 4, *t, 0, 1000, sums) == (i, "checksum")
+        assert bytes(dst) == b"\x07" * 4000
+        # a range whose words do not start that chunk does not verify it
+        w0 = int(t[1][i])
+        if w0 > 0:
+            assert lib.planes_fused(bad, dst, 4, *t, 0, w0, sums) is None
+    with pytest.raises(ValueError):
+        lib.planes_fused(src, dst, 4, *t, 0, 1000, sums[:-1])
+
+
+@given(st.lists(st.integers(0, 5000), min_size=0, max_size=20), st.integers(0, 2**32 - 1))
+def test_native_xxh3_equals_xxhash(lens, seed):
+    """``xxh3_many`` (XXH3-64 taken from the xxhash package's extension) gives xxhash's own
+    checksums for chunks of any length at any offset; chunks outside the buffer are refused."""
+    from ckptzip import native
+    from ckptzip.format import checksum
+    if not native.XXH3:
+        pytest.skip("XXH3 is not available to the C extension")
+    rng = np.random.default_rng(seed)
+    buf = rng.integers(0, 256, sum(lens) + len(lens) * 3 + 1, dtype=np.uint8)
+    offs = np.array([sum(lens[:k]) + 3 * k + int(rng.integers(0, 3)) for k in range(len(lens))], dtype=np.int64)
+    z = np.array(lens, dtype=np.int64)
+    got = np.zeros(len(lens), dtype=np.uint64)
+    native.lib.xxh3_many(buf, offs, z, got)
+    assert got.tolist() == [checksum(memoryview(buf)[o:o + n]) for o, n in zip(offs.tolist(), lens)]
+    with pytest.raises(ValueError):
+        native.lib.xxh3_many(buf, np.array([len(buf) - 1], np.int64), np.array([2], np.int64), got[:1])
+
+
+def test_checksums_in_c_equal_python(monkeypatch):
+    """The reader's checksums (any subset of the chunks, large batches in parts on the read pool)
+    are the same in C and in Python."""
+    from ckptzip import native
+    from ckptzip.io import reader
+    if not native.XXH3:
+        pytest.skip("XXH3 is not available to the C extension")
+    rng = np.random.default_rng(2)
+    buf = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    sizes = rng.integers(0, 5000, 150)
+    offs = np.cumsum(sizes) - sizes
+    which = rng.random(150) < 0.6
+    for parallel in (False, True):
+        monkeypatch.setattr(reader, "HASH_PARALLEL_MIN", 0 if parallel else 1 << 40)
+        for w in (None, which):
+            c = reader.checksums(buf, offs, sizes, w)
+            monkeypatch.setattr(native, "XXH3", False)
+            py = reader.checksums(buf, offs, sizes, w)
+            monkeypatch.setattr(native, "XXH3", True)
+            assert c == py
+
+
 def test_fused_table_falls_back_for_chunks_across_planes():
     """A batch whose chunks span two planes (valid, never written by ckptzip) gets no fused
     table: the two-step decode takes it, and the file loads bit-exact either way."""
@@ -753,7 +827,9 @@ def test_fused_pieces_cut_only_where_every_plane_starts_a_chunk(tmp_path, monkey
     class Spy:
         def __getattr__(self, k):
             f = getattr(lib, k)
-            return (lambda *a: calls.append((a[-2], a[-1])) or f(*a)) if k == "planes_fused" else f
+            return (lambda *a: calls.append((a[8], a[9])) or hashed.append(len(a) > 10) or f(*a)
+                    ) if k == "planes_fused" else f
+    hashed = []  # (whether each call verified its chunks itself: native.XXH3)
     monkeypatch.setattr(native, "lib", Spy())
     cases = {"uneven": lambda k, m: [m] if k < 3 else [1 << 16] * (m >> 16),
              "even": lambda k, m: [1 << 18] * (m >> 18)}
@@ -768,19 +844,22 @@ def test_fused_pieces_cut_only_where_every_plane_starts_a_chunk(tmp_path, monkey
         else:
             assert len(calls) > 1 and all(w0 % (1 << 18) == 0 for w0, _w1 in calls)
     # a damaged chunk in a later piece (its checksum is verified by the thread that decodes the
-    # piece, just before): ChecksumError, and that piece is never handed to planes_fused
+    # piece, just before, in Python or inside planes_fused): ChecksumError, and that piece is
+    # never handed to planes_fused without its checksums
     from conftest import read_parts, write_parts
-    for pieces in (True, False):
+    for pieces, c_hash in ((True, True), (True, False), (False, True)):
         monkeypatch.setattr(decode, "VERIFY_IN_PIECES", pieces)
+        monkeypatch.setattr(native, "XXH3", native.XXH3 and c_hash)
         data, doc, rows = read_parts(p)
         k = len(rows) - 2  # plane 3's next-to-last chunk: words 1.5-1.75 Mi
         off = int(rows[k]["offset"]) + int(rows[k]["stored"]) // 2
-        q = tmp_path / f"bad{pieces}.ckz"
+        q = tmp_path / f"bad{pieces}{c_hash}.ckz"
         write_parts(q, data[:off] + bytes([data[off] ^ 0x40]) + data[off + 1:], doc, rows)
         calls.clear()
+        hashed.clear()
         with pytest.raises(ckptzip.ChecksumError):
             ckptzip.load(q)
-        assert not any(w0 <= 3 << 19 < w1 for w0, w1 in calls)
+        assert not any(w0 <= 3 << 19 < w1 and not h for (w0, w1), h in zip(calls, hashed))
 
 
 def test_fused_skips_reference_words_wider_than_the_planes_words():
@@ -1073,13 +1152,17 @@ def test_every_fused_chunk_is_verified_before_it_is_decoded(tmp_path, monkeypatc
             if k != "planes_fused":
                 return f
 
-            def pf(s, dst, w, planes, ws, wn, so, ss, w0, w1):
+            def pf(s, dst, w, planes, ws, wn, so, ss, w0, w1, *xxh):
                 hit = (ws < w1) & (ws + wn > w0)  # the chunks the C code reads for w0..w1
                 with lock:
-                    for o, n in zip(so[hit].tolist(), ss[hit].tolist()):
-                        assert checksum(memoryview(s)[o:o + n]) in verified, "a chunk decoded before its checksum"
+                    for i in np.nonzero(hit)[0].tolist():
+                        got = checksum(memoryview(s)[so[i]:so[i] + ss[i]])
+                        if xxh:  # verified by the call itself: the chunks whose words start in w0..w1
+                            assert w0 <= ws[i] < w1 and int(xxh[0][i]) == got, "a chunk decoded unverified"
+                        else:
+                            assert got in verified, "a chunk decoded before its checksum"
                     calls.append(w0)
-                return f(s, dst, w, planes, ws, wn, so, ss, w0, w1)
+                return f(s, dst, w, planes, ws, wn, so, ss, w0, w1, *xxh)
             return pf
     monkeypatch.setattr(reader, "_verify", spy_verify)
     monkeypatch.setattr(native, "lib", Spy())
@@ -1091,14 +1174,18 @@ def test_every_fused_chunk_is_verified_before_it_is_decoded(tmp_path, monkeypatc
     assert any(w0 > 0 for w0 in calls)  # (batches were cut into pieces)
 
 
+@pytest.mark.parametrize("c_hash", [True, False])
 @pytest.mark.parametrize("pieces", [True, False, "large groups"])
-def test_each_damaged_chunk_of_a_mixed_state_is_a_checksum_error(tmp_path, monkeypatch, pieces):
+def test_each_damaged_chunk_of_a_mixed_state_is_a_checksum_error(tmp_path, monkeypatch, pieces, c_hash):
     """One byte changed in any chunk (small two-step storages, fused pieces, raw chunks) is a
     ChecksumError, whether the decoding threads or the reader verify the fused batches (the
-    reader does for groups it hashes on the read pool's threads: ``large groups``)."""
+    reader does for groups it hashes on the read pool's threads: ``large groups``), with the
+    checksums computed in C or by xxhash's Python API."""
     import io
     from conftest import read_parts, write_parts
+    from ckptzip import native
     from ckptzip.engine import decode
+    monkeypatch.setattr(native, "XXH3", native.XXH3 and c_hash)
     monkeypatch.setattr(decode, "VERIFY_IN_PIECES", bool(pieces))
     if pieces == "large groups":
         monkeypatch.setattr(decode, "HASH_PARALLEL_MIN", 0)

@@ -568,12 +568,37 @@ def test_bytesio_is_decoded_in_place_and_never_changed(tmp_path, monkeypatch):
         return real_verify(buf, offs, batch)
     monkeypatch.setattr(decode, "read_stored", spy2)
     monkeypatch.setattr(decode, "verify", spy_verify)
+    from ckptzip import native
+    c_hash = native.XXH3
+    monkeypatch.setattr(native, "XXH3", False)  # (first the pieces' checksums in Python)
     assert_same(obj, ckptzip.load(io.BytesIO(before)))
     fused = [pl for pl in plans if pl is not None]
     assert fused and all(pl.verify for pl in fused) and len(deferred) == len(plans)
     assert all(d is not None for pl, d in zip(plans, deferred) if pl is not None)
     assert sorted(checked) == sorted(set(checked))  # (no chunk verified twice)
     assert len(checked) == sum(int(d.sum()) for d in deferred if d is not None)
+    if not c_hash:
+        return
+    # with native.XXH3 each piece's planes_fused call verifies the chunks whose words start in
+    # its range: together, every deferred chunk once
+    monkeypatch.setattr(native, "XXH3", True)
+    lib, counted = native.lib, []
+
+    class Spy:
+        def __getattr__(self, k):
+            f = getattr(lib, k)
+            if k != "planes_fused":
+                return f
+
+            def pf(*a):
+                assert len(a) == 11
+                counted.append(int(np.sum((a[4] >= a[8]) & (a[4] < a[9]))))
+                return f(*a)
+            return pf
+    monkeypatch.setattr(native, "lib", Spy())
+    plans.clear(), deferred.clear(), checked.clear()
+    assert_same(obj, ckptzip.load(io.BytesIO(before)))
+    assert not checked and sum(counted) == sum(int(d.sum()) for d in deferred if d is not None) > 0
     r = ckptzip.open(bio)
     bio.seek(0)
     bio.write(b"\0" * len(before))  # (copy-on-write: the reader's snapshot keeps the old bytes)

@@ -39,10 +39,17 @@
  *       that failed; src and dst must not overlap. zstd_version(): libzstd's version number, or 0
  *       where none was found (callers then use python-zstandard)
  *
- *   planes_fused(src, dst, width, planes, words0, words, soffs, ssizes, w0, w1)
+ *   planes_fused(src, dst, width, planes, words0, words, soffs, ssizes, w0, w1[, xxh3])
  *       words w0..w1 of dst from their byte planes' chunks in src, stored ones read in place,
  *       zstd ones decoded into a chunk-sized scratch per plane, in one pass over dst (the
- *       byteplane decode fused with the codec; see the function)
+ *       byteplane decode fused with the codec; see the function); with xxh3 (uint64 per
+ *       chunk), the chunks whose words start in w0..w1 are verified first
+ *
+ *   xxh3_load(path), xxh3_many(buf, offs, sizes, out)
+ *       XXH3-64 (seed 0) taken from the already loaded shared object `path` (the xxhash
+ *       package's extension: python-xxhash exports libxxhash's API); then the XXH3-64 of every
+ *       chunk buf[offs[i]:+sizes[i]] into out[i] (uint64) without the GIL. native.py checks the
+ *       loaded function against xxhash's Python API before anything uses it
  *
  *   zstd_encode(src, dst, soffs, ssizes, doffs, dcaps, osizes, params)
  *       every chunk src[soffs[i]:+ssizes[i]] as one zstd frame into dst[doffs[i]:+dcaps[i]],
@@ -955,6 +962,60 @@ static uint8_t *scratch_take(size_t n, int *own) { /* NULL: out of memory */
     return t->buf;
 }
 
+/* -- XXH3-64 from the xxhash package's extension --------------------------------------------
+ * The checksum of every chunk (docs/format.md) is XXH3-64 with seed 0. python-xxhash, a
+ * dependency, links libxxhash into its extension and exports its C API; taking the function from
+ * there (dlopen RTLD_NOLOAD: only an object Python has loaded already) lets chunks be verified in
+ * C, on the decoding threads, with no second copy of the hash. */
+typedef uint64_t (*xxh3_fn)(const void *, size_t);
+static xxh3_fn xxh3_64;
+
+static PyObject *py_xxh3_load(PyObject *self, PyObject *args) {
+    const char *path;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
+    if (!xxh3_64) {
+        void *h = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+        if (h) xxh3_64 = (xxh3_fn)dlsym(h, "XXH3_64bits");
+    }
+    return PyBool_FromLong(xxh3_64 != NULL);
+}
+
+static PyObject *py_xxh3_many(PyObject *self, PyObject *args) {
+    Py_buffer b[4] = {{0}}, *buf = &b[0], *tb = b + 1, *out = &b[3];
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*", buf, &tb[0], &tb[1], out)) return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t n = 0;
+    int64_t *t = NULL;
+    if (!xxh3_64) {
+        PyErr_SetString(PyExc_RuntimeError, "xxh3_many: XXH3 is not loaded (xxh3_load)");
+        goto done;
+    }
+    if (!(t = copy_tables(tb, 2, &n))) goto done;
+    if (out->len != n * 8) {
+        PyErr_SetString(PyExc_ValueError, "xxh3_many: out must hold one uint64 per chunk");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (t[i] < 0 || t[n + i] < 0 || t[i] > buf->len - t[n + i]) {
+            PyErr_SetString(PyExc_ValueError, "xxh3_many: chunk outside the buffer");
+            goto done;
+        }
+    }
+    {
+        const uint8_t *s = buf->buf;
+        uint64_t *o = out->buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) o[i] = xxh3_64(s + t[i], (size_t)t[n + i]);
+        Py_END_ALLOW_THREADS
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    return finish(ret, t, b, 4);
+}
+
 /* planes_fused(src, dst, width, planes, words0, words, soffs, ssizes, w0, w1): words w0..w1 of
  * dst (words of `width` bytes, the byteplane rotation undone) straight from their byte planes'
  * chunks, in one pass over dst. Chunk i holds words words0[i]..+words[i] of plane
@@ -962,18 +1023,22 @@ static uint8_t *scratch_take(size_t n, int *own) { /* NULL: out of memory */
  * where it lies; kind 1: one zstd frame there that decodes to exactly words[i] bytes, decoded
  * into a scratch buffer of its plane (at most FUSED_MAX_CHUNK bytes, so cache-sized for the
  * writer's chunks) just before its words are assembled. Every plane's chunks must cover
- * 0..len(dst)/width in table order, without gaps or overlaps. Returns None, or (index,
- * message) of the first chunk that failed; src and dst must not overlap. */
+ * 0..len(dst)/width in table order, without gaps or overlaps. With xxh3 (a uint64 per chunk, the
+ * chunk table's checksums) every chunk whose words start in w0..w1 (those this call decodes
+ * first: callers cut pieces where every plane's chunks start) is verified before anything is
+ * decoded. Returns None, or (index, message) of the first chunk that failed (message
+ * "checksum" for a chunk whose XXH3 differs); src and dst must not overlap. */
 #define FUSED_MAX_CHUNK (16LL << 20)
 
 static PyObject *py_planes_fused(PyObject *self, PyObject *args) {
-    Py_buffer b[7] = {{0}}, *src = &b[0], *dst = &b[1], *tb = b + 2;
+    Py_buffer b[8] = {{0}}, *src = &b[0], *dst = &b[1], *tb = b + 2, *xb = &b[7];
     int w;
     long long w0, w1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*w*iy*y*y*y*y*LL", src, dst, &w, &tb[0], &tb[1], &tb[2], &tb[3], &tb[4],
-                          &w0, &w1))
+    if (!PyArg_ParseTuple(args, "y*w*iy*y*y*y*y*LL|y*", src, dst, &w, &tb[0], &tb[1], &tb[2], &tb[3], &tb[4],
+                          &w0, &w1, xb))
         return NULL;
+    uint64_t *want = NULL;
     PyObject *ret = NULL;
     int64_t *t = NULL;
     Py_ssize_t n = 0, *idx = NULL;
@@ -997,6 +1062,21 @@ static PyObject *py_planes_fused(PyObject *self, PyObject *args) {
     }
     if (!(t = copy_tables(tb, 5, &n))) goto done;
     const int64_t *pl = t, *ws = t + n, *wn = t + 2 * n, *so = t + 3 * n, *ss = t + 4 * n;
+    if (xb->buf) { /* (a private copy, as the tables) */
+        if (xb->len != n * 8) {
+            PyErr_SetString(PyExc_ValueError, "planes_fused: xxh3 must hold one uint64 per chunk");
+            goto done;
+        }
+        if (!xxh3_64) {
+            PyErr_SetString(PyExc_RuntimeError, "planes_fused: XXH3 is not loaded (xxh3_load)");
+            goto done;
+        }
+        if (!(want = PyMem_Malloc((size_t)(n + 1) * 8))) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        memcpy(want, xb->buf, (size_t)xb->len);
+    }
     /* every chunk inside its buffers, every plane's chunks tiling the words in table order */
     long long covered[8] = {0}, most[8] = {0};
     int coded = 0;
@@ -1043,14 +1123,21 @@ static PyObject *py_planes_fused(PyObject *self, PyObject *args) {
         const uint8_t *sb = src->buf;
         uint8_t *db = dst->buf;
         Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; want && i < n && !msg[0]; i++) {
+            if (ws[i] >= w0 && ws[i] < w1 && xxh3_64(sb + so[i], (size_t)ss[i]) != want[i]) {
+                bad = i;
+                snprintf(msg, sizeof msg, "checksum");
+            }
+        }
         uint8_t *scratch[8] = {0}, *mem = NULL;
         Py_ssize_t cur[8], have[8];
         size_t need = 0;
         for (int k = 0; k < w; k++) need += (size_t)most[k];
         int own_dc = 0, own_mem = 0;
-        ZSTD_DCtx *dc = coded ? dctx_take(&own_dc) : NULL;
-        if (coded) mem = scratch_take(need, &own_mem);
-        no_memory = coded && (!dc || !mem);
+        int decode = coded && !msg[0]; /* (nothing is decoded after a checksum failure) */
+        ZSTD_DCtx *dc = decode ? dctx_take(&own_dc) : NULL;
+        if (decode) mem = scratch_take(need, &own_mem);
+        no_memory = decode && (!dc || !mem);
         for (int k = 0; k < w; k++) {
             have[k] = -1;
             cur[k] = start[k];
@@ -1089,7 +1176,8 @@ static PyObject *py_planes_fused(PyObject *self, PyObject *args) {
     }
 done:
     PyMem_Free(idx);
-    return finish(ret, t, b, 7);
+    PyMem_Free(want);
+    return finish(ret, t, b, 8);
 }
 
 /* zstd_encode(src, dst, soffs, ssizes, doffs, dcaps, osizes, params): every chunk
@@ -1400,8 +1488,12 @@ static PyMethodDef methods[] = {
     {"zstd_decode", py_zstd_decode, METH_VARARGS,
      "zstd_decode(src, dst, soffs, ssizes, doffs, dsizes): zstd frames into their slots; None or (index, message)"},
     {"planes_fused", py_planes_fused, METH_VARARGS,
-     "planes_fused(src, dst, width, planes, words0, words, soffs, ssizes, w0, w1): words from their planes' "
-     "stored and zstd chunks in one pass; None or (index, message)"},
+     "planes_fused(src, dst, width, planes, words0, words, soffs, ssizes, w0, w1[, xxh3]): words from their "
+     "planes' stored and zstd chunks in one pass, verified first with xxh3; None or (index, message)"},
+    {"xxh3_load", py_xxh3_load, METH_VARARGS,
+     "xxh3_load(path): take XXH3_64bits from the loaded shared object path; whether it is loaded"},
+    {"xxh3_many", py_xxh3_many, METH_VARARGS,
+     "xxh3_many(buf, offs, sizes, out): XXH3-64 of every chunk into out (uint64)"},
     {"zstd_encode", py_zstd_encode, METH_VARARGS,
      "zstd_encode(src, dst, soffs, ssizes, doffs, dcaps, osizes, params): chunks into zstd frames"},
     {"fs_type", py_fs_type, METH_VARARGS, "fs_type(fd): the file system's magic number (0: unknown)"},
@@ -1420,7 +1512,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bpnative",
                                     NULL, NULL, NULL, NULL};
 
 /* what ckptzip.native checks: a build of another version of this file is not used */
-#define BPNATIVE_API 12
+#define BPNATIVE_API 13
 
 PyMODINIT_FUNC PyInit__bpnative(void) {
     for (int c = 1; c < CLOG_N; c++) clog_tab[c] = (double)c * log2((double)c);

@@ -650,17 +650,26 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: n
         edges = [0, *[int(x) for x in cuts if 0 < x < nw], nw]
         work.extend((it, e0, e1) for e0, e1 in zip(edges, edges[1:]))
     s = src.numpy()
+    # (with native.XXH3 each piece's chunks are verified inside planes_fused, without the GIL)
+    sums = rows["xxh3"].astype(np.uint64) if plan.verify and native.XXH3 else None  # (lib is set here)
 
     def one(k: int) -> None:
         (job, a, b, r0, t), w0, w1 = work[k]
-        so = np.ascontiguousarray(soffs[r0:r0 + len(t[0])])
-        if plan.verify:  # (this piece's chunks: those whose words start in w0..w1)
+        n = len(t[0])
+        so = np.ascontiguousarray(soffs[r0:r0 + n])
+        extra = ()
+        if sums is not None:
+            extra = (sums[r0:r0 + n],)
+        elif plan.verify:  # (this piece's chunks: those whose words start in w0..w1)
             mine = np.nonzero((t[1] >= w0) & (t[1] < w1))[0] if w0 or w1 < (b - a) // job.tf.width else slice(None)
-            verify(s, so[mine], rows[r0:r0 + len(t[0])][mine])
+            verify(s, so[mine], rows[r0:r0 + n][mine])
         try:
-            err = native.lib.planes_fused(s, job.out.numpy()[a:b], job.tf.width, t[0], t[1], t[2], so, t[3], w0, w1)
+            err = native.lib.planes_fused(s, job.out.numpy()[a:b], job.tf.width, t[0], t[1], t[2], so, t[3], w0, w1,
+                                          *extra)
         except ValueError as e:  # (the table is built from a validated manifest)
             raise CorruptFileError(f"byteplane chunks: {e}") from None
+        if err is not None and err[1] == "checksum" and sums is not None:
+            raise ChecksumError(f"chunk at file offset {int(rows['offset'][r0 + err[0]])} fails its checksum")
         if err is not None:
             raise CodecError(f"zstd: chunk {r0 + max(err[0], 0)} {err[1]}")
         if job.ref is not None:  # (in place, on the piece while it is in the cache)

@@ -186,11 +186,35 @@ def read_split(fd: int, batch: np.ndarray, stream: np.ndarray, roffs: np.ndarray
 HASH_PARALLEL_MIN = 32 << 20
 
 
+def _checksums_c(b: np.ndarray, offs, stored, which: np.ndarray | None) -> list[int | None]:
+    """:func:`checksums` by ``native.lib.xxh3_many``, large batches in parts on the read pool."""
+    offs = np.ascontiguousarray(offs, dtype=np.int64)
+    stored = np.ascontiguousarray(stored, dtype=np.int64)
+    keep = np.ones(len(offs), dtype=bool) if which is None else np.asarray(which, dtype=bool)
+    ks = np.nonzero(keep)[0]
+    got = np.zeros(len(ks), dtype=np.uint64)
+    o, z = offs[ks], stored[ks]
+    if int(z.sum()) < HASH_PARALLEL_MIN or len(ks) < 4 or READ_THREADS < 2:
+        native.lib.xxh3_many(b, o, z, got)
+    else:
+        parts = [p for p in np.array_split(np.arange(len(ks)), READ_THREADS) if len(p)]
+        list(read_pool().map(lambda p: native.lib.xxh3_many(b, o[p[0]:p[-1] + 1], z[p[0]:p[-1] + 1],
+                                                             got[p[0]:p[-1] + 1]), parts))
+    if which is None:
+        return got.tolist()
+    out: list[int | None] = [None] * len(offs)
+    for k, v in zip(ks.tolist(), got.tolist()):
+        out[k] = v
+    return out
+
+
 def checksums(b: np.ndarray, offs, stored, which: np.ndarray | None = None) -> list[int | None]:
     """XXH3-64 of every chunk (of those ``which`` marks; None for the others); large batches are
     hashed by the read pool's threads, each taking a contiguous part of the chunks (xxhash
     releases the GIL on large inputs)."""
     n = len(offs)
+    if native.XXH3 and native.lib is not None:  # in C, without the GIL (see native.XXH3)
+        return _checksums_c(b, offs, stored, which)
     mv, ol, sl = memoryview(b), np.asarray(offs).tolist(), np.asarray(stored).tolist()
     wl = which.tolist() if which is not None else None
 
