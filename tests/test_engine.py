@@ -995,6 +995,89 @@ def test_pmap_balanced_runs_every_item_once_costliest_first(monkeypatch):
     assert ran == [2, 5, 0, 1, 3, 4, 6, 7]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_pmap_balanced_first_runs_on_the_caller_and_its_error_waits_for_the_items(monkeypatch, threads):
+    """``first`` runs once, on the calling thread, before the caller takes items (the pool's
+    threads start on the costliest meanwhile); its error is raised only once every item has
+    finished, and before an item's."""
+    import threading
+    import time
+    from ckptzip.codecs import cpu as ccpu
+    monkeypatch.setattr(ccpu, "cpu_threads", lambda: threads)
+    log, lock = [], threading.Lock()
+
+    bad = []
+
+    def fn(k):
+        time.sleep(0.02)
+        with lock:
+            log.append((k, threading.current_thread().name))
+        if k in bad:
+            raise KeyError("item")
+
+    def first():
+        time.sleep(0.05)
+        with lock:
+            log.append(("first", threading.current_thread().name))
+        raise ValueError("first")
+    with pytest.raises(ValueError, match="first"):
+        ccpu.pmap_balanced(fn, [3.0, 2.0, 1.0], 0.0, first)
+    assert sorted(str(k) for k, _n in log) == ["0", "1", "2", "first"]
+    assert ("first", "MainThread") in log
+    if threads == 1:
+        assert log[0][0] == "first"
+    else:  # (the pool's thread began on the costliest meanwhile)
+        assert log[0][0] == 0 and log[0][1].startswith("ckptzip_")
+    log.clear()  # (an item's error alone; on one thread the items stop at it)
+    bad.append(1)
+    with pytest.raises(KeyError):
+        ccpu.pmap_balanced(fn, [3.0, 2.0, 1.0], 0.0, lambda: log.append(("first", threading.current_thread().name)))
+    assert "first" in [k for k, _n in log] and 1 in [k for k, _n in log]
+    log.clear()  # (both: first's)
+    with pytest.raises(ValueError, match="first"):
+        ccpu.pmap_balanced(fn, [3.0, 2.0, 1.0], 0.0, first)
+
+
+def test_in_memory_load_builds_the_tree_while_the_pool_decodes(tmp_path, monkeypatch):
+    """From memory, the caller's work (``idle``: the object tree) runs on the calling thread
+    inside the first group's decode while the pool's threads take its fused pieces; an error
+    it raises comes once every piece is done, and the load is bit-exact either way."""
+    import io
+    import time
+    from ckptzip.engine import decode
+    st, p = _mixed_small_file(tmp_path, monkeypatch)
+    data = p.read_bytes()
+    for k, v in ckptzip.load(io.BytesIO(data)).items():
+        assert torch.equal(v, st[k]), k
+    real, seen = decode.decode_group, []
+
+    def spy(*a, **kw):
+        first = a[8] if len(a) > 8 else kw.get("first")
+        seen.append(first is not None)
+        return real(*a, **kw)
+    monkeypatch.setattr(decode, "decode_group", spy)
+    for k, v in ckptzip.load(io.BytesIO(data)).items():
+        assert torch.equal(v, st[k]), k
+    assert seen and seen[0] and not any(seen[1:])
+    # an error in idle: raised once the group's pieces are done (nothing still writing: the
+    # fused storage is whole when the error arrives)
+    r = ckptzip.open(io.BytesIO(data))
+    jobs = {i: r._job(i) for i in range(len(r.storages))}
+    outs = {i: j.out for i, j in jobs.items()}
+    for o in outs.values():
+        o.zero_()
+    batch, breaks = r._plan_fill(outs, jobs)
+    big = r._storage_index(r._node("big"))
+
+    def idle():
+        time.sleep(0.05)
+        raise RuntimeError("tree")
+    with pytest.raises(RuntimeError, match="tree"):
+        decode.decode_jobs(r._fd, batch, breaks=breaks, idle=idle)
+    assert bytes(outs[big].numpy()) == bytes(st["big"].numpy().view(np.uint8))
+    r.close()
+
+
 def test_raw_plane_estimates_made_ahead_give_the_same_file(monkeypatch):
     """CPU saves estimate their raw planes on a pool thread while planning goes on: the file is
     byte for byte the one the estimates made in turn give, and every estimate is used."""

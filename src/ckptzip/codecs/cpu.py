@@ -89,13 +89,17 @@ def pmap_sized(fn: Callable[[int], Any], sizes: list[int], inline_small: bool = 
     pmap(lambda r: [fn(k) for k in rs[r]], len(rs))
 
 
-def pmap_balanced(fn: Callable[[int], Any], costs: list[float], least: float) -> None:
+def pmap_balanced(fn: Callable[[int], Any], costs: list[float], least: float,
+                  first: Callable[[], Any] | None = None) -> None:
     """``fn(k)`` for every item ``k``, the costliest first, on the calling thread and
     ``cpu_threads() - 1`` of the pool's, each taking the next task as it comes free: the last
     tasks, the cheapest, even out the threads' ends (pieces of one decode differ 2-4x in time),
     and the caller, which would only wait, does a thread's share. Cheap items go together in
-    tasks of at least ``least`` cost; one task runs on the calling thread alone. Every item has
-    finished before this returns or raises (the first error raised)."""
+    tasks of at least ``least`` cost; one task runs on the calling thread alone. ``first``:
+    other work the calling thread does before it takes tasks (while the pool's threads take
+    the costliest; work that itself calls the pool would wait behind them). Every item has
+    finished before this returns or raises (the first error raised, ``first``'s before the
+    items')."""
     order = sorted(range(len(costs)), key=costs.__getitem__, reverse=True)
     tasks: list[list[int]] = []
     acc = 0.0
@@ -105,11 +109,23 @@ def pmap_balanced(fn: Callable[[int], Any], costs: list[float], least: float) ->
             acc = 0.0
         tasks[-1].append(k)
         acc += costs[k]
-    helpers = min(cpu_threads(), len(tasks)) - 1
+    helpers = min(cpu_threads(), len(tasks) + (first is not None)) - 1
     if helpers < 1 or threading.current_thread().name.startswith("ckptzip_"):
-        for t in tasks:
-            for k in t:
-                fn(k)
+        failed: BaseException | None = None  # (as below: first's error once the items are done)
+        if first is not None:
+            try:
+                first()
+            except BaseException as e:
+                failed = e
+        try:
+            for t in tasks:
+                for k in t:
+                    fn(k)
+        except BaseException:
+            if failed is None:
+                raise
+        if failed is not None:
+            raise failed
         return
     todo = iter(tasks)
     lock = threading.Lock()
@@ -128,6 +144,11 @@ def pmap_balanced(fn: Callable[[int], Any], costs: list[float], least: float) ->
                     errors.append(e)
     futs = [_pool().submit(work) for _ in range(helpers)]
     try:
+        if first is not None:
+            try:
+                first()
+            except BaseException as e:  # (raised once every item is done)
+                errors.insert(0, e)
         work()
     finally:  # (a helper still queued behind other work has nothing left to take: cancelled,
         # not waited for; a cancelled future counts as done only once a worker dequeues it)

@@ -70,6 +70,10 @@ READ_AHEAD = 4
 #: left a thread idle for up to half of a group (pieces of the same size decode 2-4x apart)
 PIECES_PER_THREAD = 8
 PIECE_MIN = 256 << 10
+#: a group's batches outside its fused plan that hold fewer stream bytes than this are decoded
+#: by the calling thread while the pool's threads take the fused pieces (below PARALLEL_BYTES
+#: and ZSTD_PARALLEL_BYTES, their own steps never wait for the pool)
+OVERLAP_REST = 256 << 10
 
 
 def storage_chain(s: dict[str, Any], device: str, cache: dict | None = None, parsed: list | None = None
@@ -187,7 +191,8 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     storages per read and per codec call); a reader thread reads and checksums the next group
     into one of four pooled buffers while the current one is decoded (from memory, a
     ``FileObjectSource`` over a BytesIO, there is nothing to read: each group is prepared on
-    this thread, and ``idle`` runs first). Groups are decoded in
+    this thread, and ``idle`` runs while the pool's threads decode the first group's fused
+    pieces). Groups are decoded in
     order; a new group starts at every job index in ``breaks`` (a job that refers to the output
     of an earlier one is never in the same group: CPU groups undo transforms in parallel) and
     wherever the file changes (a job's ``fd``: a base checkpoint's storages). ``idle``: work of
@@ -258,11 +263,10 @@ def decode_jobs(fd: int, jobs: list[Job], window: int = DEFAULT_WINDOW,
     if not gpu and mem and all(job.fd is None for job in jobs):
         # from memory there is nothing to read ahead: each group is prepared on this thread
         # just before its decode, with no reader thread to start and hand over to
+        # (idle runs on this thread while the pool's threads start decoding the first group)
         todo = iter(grouped)
-        if idle is not None:
-            idle()
         with _capi.deferred_checks():
-            _decode_loop(grouped, lambda: (0, *prepare(next(todo))), lambda _slot: None, progress, tk)
+            _decode_loop(grouped, lambda: (0, *prepare(next(todo))), lambda _slot: None, progress, tk, idle)
         return
 
     q: queue.Queue = queue.Queue(maxsize=2)
@@ -309,14 +313,16 @@ def _cat_rows(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate([np.ascontiguousarray(p).view(np.uint8) for p in parts]).view(parts[0].dtype)
 
 
-def _decode_loop(grouped: list, take: Callable[[], tuple], give: Callable[[int], None], progress, tk=None) -> None:
+def _decode_loop(grouped: list, take: Callable[[], tuple], give: Callable[[int], None], progress, tk=None,
+                 first: Callable[[], None] | None = None) -> None:
     """Consume what ``take`` returns (the reader thread's queue, or each group prepared on this
     thread): decode each group, hand its slot back (``give``). On the GPU
     a group's host buffer is handed back once the GPU is done with it, which the loop waits for
     only after it has queued the next group's work (the host launches group k while the GPU
     runs group k-1). Chunks the reader left to the GPU (``later``) are hashed by ``tk`` right
     after the upload; their checksums are verified before the group's decode statuses, and
-    before any error the group's decoding raised, so a damaged chunk is a ChecksumError."""
+    before any error the group's decoding raised, so a damaged chunk is a ChecksumError.
+    ``first``: work for this thread in the first group's decode (:func:`decode_group`)."""
     prev = None  # (host buffer, slot, event after its work, decode-check mark, hashes) in flight
 
     def finish(p) -> None:
@@ -338,7 +344,8 @@ def _decode_loop(grouped: list, take: Callable[[], tuple], give: Callable[[int],
             got = tk.xxh3_chunks(src, np.asarray(soffs, dtype=np.int64)[later], rows["stored"][later].astype(np.int64))
             hashed = (got.to("cpu", non_blocking=True), rows["xxh3"][later], rows["offset"][later])
         try:
-            decode_group(src, soffs, rows, grp, work, tk, pre, plan)
+            decode_group(src, soffs, rows, grp, work, tk, pre, plan, first)
+            first = None
         except BaseException:
             if hashed is not None:
                 torch.cuda.current_stream().synchronize()
@@ -408,19 +415,43 @@ def group_stream(rows: np.ndarray, grp: list, work: str, filled: bool = False) -
 
 
 def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: list, work: str, tk=None,
-                 pre: GroupStream | None = None, plan: FusedPlan | None = None) -> None:
+                 pre: GroupStream | None = None, plan: FusedPlan | None = None,
+                 first: Callable[[], None] | None = None) -> None:
     """Decode a group of batches (``rows`` concatenated in group order, already verified): the
     batches of ``plan`` in one pass each (:func:`_decode_fused`; their chunks are all in
     ``src``); of the others, raw chunks are copied (unless ``pre`` says the reader put them in
     place), codec chunks go to one call per codec, transforms are undone per batch, or, on the
-    GPU with the Triton kernels ``tk``, in one launch per kind of transform chain."""
+    GPU with the Triton kernels ``tk``, in one launch per kind of transform chain. ``first``:
+    the caller's work that needs no decoded bytes, done on this thread while the pool's threads
+    start on the fused pieces (before anything else where there are none)."""
+    soffs = np.asarray(soffs, dtype=np.int64)
+    if plan is None or not any(plan.batches):
+        if first is not None:
+            first()
+        _decode_rest(src, soffs, rows, grp, work, tk, pre, plan)
+        return
+    if all(plan.batches):
+        _decode_fused(src, soffs, plan, rows, first)
+        return
+    if sum(b - a for (_job, _i, _j, a, b), f in zip(grp, plan.batches) if not f) >= OVERLAP_REST:
+        _decode_fused(src, soffs, plan, rows, first)
+        _decode_rest(src, soffs, rows, grp, work, tk, pre, plan)
+        return
+
+    def mine() -> None:
+        # the other batches (small storages: all their steps run inline) on this thread
+        # while the pool's threads start on the fused pieces
+        if first is not None:
+            first()
+        _decode_rest(src, soffs, rows, grp, work, tk, pre, plan)
+    _decode_fused(src, soffs, plan, rows, mine)
+
+
+def _decode_rest(src: torch.Tensor, soffs: np.ndarray, rows: np.ndarray, grp: list, work: str, tk,
+                 pre: GroupStream | None, plan: FusedPlan | None) -> None:
+    """:func:`decode_group`'s two-step path: the batches that ``plan`` (if any) leaves."""
     stored = rows["stored"].astype(np.int64)
     raws = rows["raw"].astype(np.int64)
-    soffs = np.asarray(soffs, dtype=np.int64)
-    if plan is not None:
-        _decode_fused(src, soffs, plan, rows)
-        if all(plan.batches):
-            return
     if pre is None:
         pre = group_stream(rows, grp, work)
     direct, starts, stream, roffs, filled = pre
@@ -621,7 +652,8 @@ def _fused_plan(rows: np.ndarray, grp: list, mem: bool = False) -> FusedPlan | N
     return FusedPlan(mask, flags, items, verify)
 
 
-def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: np.ndarray) -> None:
+def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: np.ndarray,
+                  first: Callable[[], None] | None = None) -> None:
     """Decode the batches of ``plan`` straight from the read buffer ``src`` (chunk ``i`` of the
     group at ``soffs[i]``, its chunk-table row ``rows[i]``) into their destinations: each batch's words are assembled in one pass
     from its stored planes, read where they lie, and its zstd planes, each frame decoded into a
@@ -630,7 +662,8 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: n
     has a chunk start (no chunk is decoded by two pieces; :data:`PIECES_PER_THREAD`), which the
     calling thread and the CPU pool's take costliest first (:func:`pmap_balanced`).
     With ``plan.verify`` the reader left these batches' checksums to this function: each
-    piece's chunks are verified by its thread just before it decodes them."""
+    piece's chunks are verified by its thread just before it decodes them. ``first``: the
+    group's other work, done by the calling thread before it takes pieces."""
     threads = cpu_threads()
     total = sum(b - a for _job, a, b, _r0, _t in plan.items)
     share = max(PIECE_MIN, -(-total // (PIECES_PER_THREAD * threads)))
@@ -676,7 +709,7 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: n
             w = job.tf.width
             piece = job.out[a + w0 * w:a + w1 * w]
             job.ref.decode(piece, piece, start=a + w0 * w)
-    pmap_balanced(one, [_piece_cost(it, w0, w1) for it, w0, w1 in work], PIECE_MIN)
+    pmap_balanced(one, [_piece_cost(it, w0, w1) for it, w0, w1 in work], PIECE_MIN, first)
 
 
 def _piece_cost(item, w0: int, w1: int) -> float:
