@@ -127,3 +127,30 @@ def small_state():
         m(torch.randn(4, 64)).sum().backward()
         opt.step()
     return {"model": m.state_dict(), "optimizer": opt.state_dict(), "step": 3}
+
+
+class FusedSpy:
+    """A stand-in for ``native.lib`` that shows every ``planes_fused`` piece to ``see(src, *args)``
+    (the call's arguments; ``args[9]``, the checksums, is None where the call does not verify)
+    before the real call, whether the piece comes alone or in a ``planes_fused_many`` queue
+    (each queue's pieces once, whichever thread calls first)."""
+
+    def __init__(self, lib, see):
+        self._lib, self._see, self._queues = lib, see, set()
+
+    def __getattr__(self, k):
+        f = getattr(self._lib, k)
+        if k == "planes_fused":
+            def pf(src, *args):
+                self._see(src, *args, *(() if len(args) > 9 else (None,)))
+                return f(src, *args)
+            return pf
+        if k == "planes_fused_many":
+            def many(src, items, order, counter):
+                if id(counter) not in self._queues:
+                    self._queues.add(id(counter))
+                    for it in items:
+                        self._see(src, *it)
+                return f(src, items, order, counter)
+            return many
+        return f

@@ -662,6 +662,111 @@ def test_fused_planes_refuses_bad_tables_and_frames():
     assert got is not None and got[0] == c
 
 
+def _fused_queue_case(seed: int, cases: list):
+    """Several planes_fused pieces over one shared source: (source, [(words, width, table)])."""
+    srcs, got, base = [], [], 0
+    for k, (w, nw, block, chunk, share) in enumerate(cases):
+        words, src, rows, soffs = _fused_case(seed + k, w, nw, block, chunk, share)
+        t = _fused_table(rows, BytePlane(w, block), nw * w)
+        got.append((words, w, [*t[:3], (soffs + base).astype(np.int64), t[3]]))
+        srcs.append(src)
+        base += len(src)
+    return np.concatenate(srcs), got
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([2, 4, 8]), st.integers(1, 2000), st.integers(1, 800),
+                          st.integers(1, 500), st.floats(0, 1)), min_size=1, max_size=6),
+       st.integers(1, 4), st.integers(0, 2**32 - 1))
+def test_fused_queue_decodes_every_piece_once_across_threads(cases, threads, seed):
+    """``planes_fused_many``: threads sharing one queue (order, counter) decode every piece
+    exactly as ``planes_fused`` does, in any order, each piece once (the counter ends past the
+    last item)."""
+    import threading
+    lib = _fused_lib()
+    src, pieces = _fused_queue_case(seed, cases)
+    dsts = [np.full(words.nbytes, 0xA5, np.uint8) for words, _w, _t in pieces]
+    items = [(d, w, *t, 0, words.size, None) for d, (words, w, t) in zip(dsts, pieces)]
+    order = np.random.default_rng(seed).permutation(len(items)).astype(np.int64)
+    counter = np.zeros(2, np.int64)
+    res = []
+    ths = [threading.Thread(target=lambda: res.append(lib.planes_fused_many(src, items, order, counter)))
+           for _ in range(threads)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    assert res == [None] * threads and counter[0] >= len(items) and counter[1] == 0
+    for d, (words, _w, _t) in zip(dsts, pieces):
+        assert bytes(d) == words.view(np.uint8).tobytes()
+
+
+def test_fused_queue_refuses_bad_input_before_decoding():
+    """Every item of a queue is checked before any is decoded (a bad table in the last item, an
+    order that is not a permutation, an item that is not a tuple: nothing written); a damaged
+    chunk is (item, chunk, "checksum") and stops the other takers (counter[1])."""
+    from ckptzip import native
+    from ckptzip.format import checksum
+    lib = _fused_lib()
+    src, pieces = _fused_queue_case(11, [(4, 900, 300, 100, 0.5), (2, 700, 200, 90, 0.5), (4, 500, 500, 120, 0.3)])
+    dsts = [np.zeros(words.nbytes, np.uint8) for words, _w, _t in pieces]
+    items = [(d, w, *t, 0, words.size, None) for d, (words, w, t) in zip(dsts, pieces)]
+    order = np.arange(3, dtype=np.int64)
+    bad = list(items)
+    last = list(bad[2])
+    last[4] = last[4].copy()
+    last[4][0] += 1  # (a gap in a plane)
+    bad[2] = tuple(last)
+    with pytest.raises(ValueError):
+        lib.planes_fused_many(src, bad, order, np.zeros(2, np.int64))
+    for o in (np.array([0, 1, 3], np.int64), np.array([0, 1], np.int64), np.array([0, -1, 2], np.int64)):
+        with pytest.raises(ValueError):
+            lib.planes_fused_many(src, items, o, np.zeros(2, np.int64))
+    with pytest.raises(ValueError):
+        lib.planes_fused_many(src, items, order, np.zeros(1, np.int64))
+    with pytest.raises(TypeError):
+        lib.planes_fused_many(src, [items[0], list(items[1]), items[2]], order, np.zeros(2, np.int64))
+    assert not any(d.any() for d in dsts)
+    if not native.XXH3:
+        return
+    sums = [np.array([checksum(memoryview(src)[o:o + n]) for o, n in zip(t[3].tolist(), t[4].tolist())],
+                     dtype=np.uint64) for _words, _w, t in pieces]
+    items = [(d, w, *t, 0, words.size, x) for d, (words, w, t), x in zip(dsts, pieces, sums)]
+    broken = src.copy()
+    k = int(pieces[1][2][3][2])  # item 1's third chunk
+    broken[k] ^= 1
+    counter = np.zeros(2, np.int64)
+    assert lib.planes_fused_many(broken, items, order, counter) == (1, 2, "checksum")
+    assert counter[1] == 1
+    counter = np.zeros(2, np.int64)
+    assert lib.planes_fused_many(src, items, order, counter) is None
+    for d, (words, _w, _t) in zip(dsts, pieces):
+        assert bytes(d) == words.view(np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("queue", [True, False])
+def test_fused_queue_and_one_call_per_piece_load_alike(tmp_path, monkeypatch, queue):
+    """Loads with the pieces in one C queue or one call each are the same, and a damaged chunk
+    in a queued piece is a ChecksumError either way."""
+    import io
+    from conftest import read_parts, write_parts
+    from ckptzip.engine import decode
+    monkeypatch.setattr(decode, "QUEUE_PIECES", queue)
+    st, p = _mixed_small_file(tmp_path, monkeypatch)
+    for src in (p, io.BytesIO(p.read_bytes())):
+        back = ckptzip.load(src)
+        for k, v in st.items():
+            assert torch.equal(back[k], v), k
+    data, doc, rows = read_parts(p)
+    k = int(np.argmax(rows["stored"]))
+    off = int(rows[k]["offset"]) + 5
+    q = tmp_path / "bad.ckz"
+    write_parts(q, data[:off] + bytes([data[off] ^ 1]) + data[off + 1:], doc, rows)
+    for src in (q, io.BytesIO(q.read_bytes())):
+        with pytest.raises(ckptzip.ChecksumError):
+            ckptzip.load(src)
+
+
 def test_fused_planes_verify_their_chunks_first():
     """With the chunk table's checksums, ``planes_fused`` verifies every chunk whose words start
     in its range before it decodes anything: a damaged stored or zstd chunk is (index,
@@ -824,13 +929,10 @@ def test_fused_pieces_cut_only_where_every_plane_starts_a_chunk(tmp_path, monkey
     words = (rng.standard_normal(n) * 0.02).astype(np.float32)
     calls = []
 
-    class Spy:
-        def __getattr__(self, k):
-            f = getattr(lib, k)
-            return (lambda *a: calls.append((a[8], a[9])) or hashed.append(len(a) > 10) or f(*a)
-                    ) if k == "planes_fused" else f
-    hashed = []  # (whether each call verified its chunks itself: native.XXH3)
-    monkeypatch.setattr(native, "lib", Spy())
+    from conftest import FusedSpy
+    hashed = []  # (whether each piece's call verified its chunks itself: native.XXH3)
+    monkeypatch.setattr(native, "lib", FusedSpy(lib, lambda *a: calls.append((a[8], a[9])) or hashed.append(
+        a[10] is not None)))
     cases = {"uneven": lambda k, m: [m] if k < 3 else [1 << 16] * (m >> 16),
              "even": lambda k, m: [1 << 18] * (m >> 18)}
     for name, per_plane in cases.items():
@@ -1229,26 +1331,19 @@ def test_every_fused_chunk_is_verified_before_it_is_decoded(tmp_path, monkeypatc
         with lock:
             verified.update(int(x) for x in batch["xxh3"][ks].astype(np.uint64).tolist())
 
-    class Spy:
-        def __getattr__(self, k):
-            f = getattr(lib, k)
-            if k != "planes_fused":
-                return f
-
-            def pf(s, dst, w, planes, ws, wn, so, ss, w0, w1, *xxh):
-                hit = (ws < w1) & (ws + wn > w0)  # the chunks the C code reads for w0..w1
-                with lock:
-                    for i in np.nonzero(hit)[0].tolist():
-                        got = checksum(memoryview(s)[so[i]:so[i] + ss[i]])
-                        if xxh:  # verified by the call itself: the chunks whose words start in w0..w1
-                            assert w0 <= ws[i] < w1 and int(xxh[0][i]) == got, "a chunk decoded unverified"
-                        else:
-                            assert got in verified, "a chunk decoded before its checksum"
-                    calls.append(w0)
-                return f(s, dst, w, planes, ws, wn, so, ss, w0, w1, *xxh)
-            return pf
+    def pf(s, dst, w, planes, ws, wn, so, ss, w0, w1, xxh):
+        hit = (ws < w1) & (ws + wn > w0)  # the chunks the C code reads for w0..w1
+        with lock:
+            for i in np.nonzero(hit)[0].tolist():
+                got = checksum(memoryview(s)[so[i]:so[i] + ss[i]])
+                if xxh is not None:  # verified by the call itself: the chunks whose words start in w0..w1
+                    assert w0 <= ws[i] < w1 and int(xxh[i]) == got, "a chunk decoded unverified"
+                else:
+                    assert got in verified, "a chunk decoded before its checksum"
+            calls.append(w0)
+    from conftest import FusedSpy
     monkeypatch.setattr(reader, "_verify", spy_verify)
-    monkeypatch.setattr(native, "lib", Spy())
+    monkeypatch.setattr(native, "lib", FusedSpy(lib, pf))
     monkeypatch.setattr(decode, "SPLIT_READS", split)
     st, p = _mixed_small_file(tmp_path, monkeypatch)
     back = ckptzip.load(io.BytesIO(p.read_bytes()) if via == "bytesio" else p)

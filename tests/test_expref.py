@@ -590,13 +590,8 @@ def test_expgrid_and_expref_fused_cpu_decode(tmp_path, monkeypatch, fused):
     if fused:
         real = native.lib
 
-        class Spy:
-            def __getattr__(self, k):
-                f = getattr(real, k)
-                if k != "planes_fused":
-                    return f
-                return lambda *a: calls.append((a[8], a[9])) or f(*a)
-        monkeypatch.setattr(native, "lib", Spy())
+        from conftest import FusedSpy
+        monkeypatch.setattr(native, "lib", FusedSpy(real, lambda *a: calls.append((a[8], a[9]))))
     assert_same(ckptzip.load(p), st_)
     if fused:
         assert any(w0 > 0 for w0, _w1 in calls)  # a batch cut into pieces

@@ -582,20 +582,13 @@ def test_bytesio_is_decoded_in_place_and_never_changed(tmp_path, monkeypatch):
     # with native.XXH3 each piece's planes_fused call verifies the chunks whose words start in
     # its range: together, every deferred chunk once
     monkeypatch.setattr(native, "XXH3", True)
-    lib, counted = native.lib, []
+    from conftest import FusedSpy
+    counted = []
 
-    class Spy:
-        def __getattr__(self, k):
-            f = getattr(lib, k)
-            if k != "planes_fused":
-                return f
-
-            def pf(*a):
-                assert len(a) == 11
-                counted.append(int(np.sum((a[4] >= a[8]) & (a[4] < a[9]))))
-                return f(*a)
-            return pf
-    monkeypatch.setattr(native, "lib", Spy())
+    def pf(*a):
+        assert a[10] is not None
+        counted.append(int(np.sum((a[4] >= a[8]) & (a[4] < a[9]))))
+    monkeypatch.setattr(native, "lib", FusedSpy(native.lib, pf))
     plans.clear(), deferred.clear(), checked.clear()
     assert_same(obj, ckptzip.load(io.BytesIO(before)))
     assert not checked and sum(counted) == sum(int(d.sum()) for d in deferred if d is not None) > 0

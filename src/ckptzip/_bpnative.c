@@ -45,6 +45,10 @@
  *       byteplane decode fused with the codec; see the function); with xxh3 (uint64 per
  *       chunk), the chunks whose words start in w0..w1 are verified first
  *
+ *   planes_fused_many(src, items, order, counter)
+ *       many planes_fused calls (items: tuples of its other arguments) taken in `order` from a
+ *       shared atomic counter by every thread that calls it with the same arguments
+ *
  *   xxh3_load(path), xxh3_many(buf, offs, sizes, out)
  *       XXH3-64 (seed 0) taken from the already loaded shared object `path` (the xxhash
  *       package's extension: python-xxhash exports libxxhash's API); then the XXH3-64 of every
@@ -1030,154 +1034,285 @@ done:
  * "checksum" for a chunk whose XXH3 differs); src and dst must not overlap. */
 #define FUSED_MAX_CHUNK (16LL << 20)
 
-static PyObject *py_planes_fused(PyObject *self, PyObject *args) {
-    Py_buffer b[8] = {{0}}, *src = &b[0], *dst = &b[1], *tb = b + 2, *xb = &b[7];
+/* One planes_fused call's checked inputs (the tables a private copy): see fused_check. */
+typedef struct {
+    Py_buffer dst, tb[5], xb;
     int w;
     long long w0, w1;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*w*iy*y*y*y*y*LL|y*", src, dst, &w, &tb[0], &tb[1], &tb[2], &tb[3], &tb[4],
-                          &w0, &w1, xb))
-        return NULL;
-    uint64_t *want = NULL;
-    PyObject *ret = NULL;
-    int64_t *t = NULL;
-    Py_ssize_t n = 0, *idx = NULL;
+    int64_t *t;
+    uint64_t *want;
+    Py_ssize_t n, *idx, start[9];
+    long long most[8];
+    int coded;
+} fused_t;
+
+static void fused_free(fused_t *f) {
+    PyMem_Free(f->idx);
+    PyMem_Free(f->want);
+    PyMem_Free(f->t);
+    f->idx = NULL;
+    f->want = NULL;
+    f->t = NULL;
+    PyBuffer_Release(&f->dst);
+    for (int k = 0; k < 5; k++) PyBuffer_Release(&f->tb[k]);
+    PyBuffer_Release(&f->xb);
+}
+
+/* Check a call's inputs against src (with the GIL): 0, or -1 with a Python exception set. */
+static int fused_check(fused_t *f, const Py_buffer *src) {
+    int w = f->w;
+    long long w0 = f->w0, w1 = f->w1;
+    const Py_buffer *dst = &f->dst;
     if (w != 2 && w != 4 && w != 8) {
         PyErr_SetString(PyExc_ValueError, "width must be 2, 4 or 8");
-        goto done;
+        return -1;
     }
     if (dst->len % w) {
         PyErr_SetString(PyExc_ValueError, "dst must hold whole words");
-        goto done;
+        return -1;
     }
     long long nw = dst->len / w;
     if (w0 < 0 || w1 < w0 || w1 > nw) {
         PyErr_SetString(PyExc_ValueError, "word range outside dst");
-        goto done;
+        return -1;
     }
     if ((const char *)src->buf < (const char *)dst->buf + dst->len &&
         (const char *)dst->buf < (const char *)src->buf + src->len) {
         PyErr_SetString(PyExc_ValueError, "planes_fused: source and destination buffers overlap");
-        goto done;
+        return -1;
     }
-    if (!(t = copy_tables(tb, 5, &n))) goto done;
-    const int64_t *pl = t, *ws = t + n, *wn = t + 2 * n, *so = t + 3 * n, *ss = t + 4 * n;
-    if (xb->buf) { /* (a private copy, as the tables) */
-        if (xb->len != n * 8) {
+    if (!(f->t = copy_tables(f->tb, 5, &f->n))) return -1;
+    Py_ssize_t n = f->n;
+    const int64_t *pl = f->t, *ws = f->t + n, *wn = f->t + 2 * n, *so = f->t + 3 * n, *ss = f->t + 4 * n;
+    if (f->xb.buf) { /* (a private copy, as the tables) */
+        if (f->xb.len != n * 8) {
             PyErr_SetString(PyExc_ValueError, "planes_fused: xxh3 must hold one uint64 per chunk");
-            goto done;
+            return -1;
         }
         if (!xxh3_64) {
             PyErr_SetString(PyExc_RuntimeError, "planes_fused: XXH3 is not loaded (xxh3_load)");
-            goto done;
+            return -1;
         }
-        if (!(want = PyMem_Malloc((size_t)(n + 1) * 8))) {
+        if (!(f->want = PyMem_Malloc((size_t)(n + 1) * 8))) {
             PyErr_NoMemory();
-            goto done;
+            return -1;
         }
-        memcpy(want, xb->buf, (size_t)xb->len);
+        memcpy(f->want, f->xb.buf, (size_t)f->xb.len);
     }
     /* every chunk inside its buffers, every plane's chunks tiling the words in table order */
-    long long covered[8] = {0}, most[8] = {0};
-    int coded = 0;
+    long long covered[8] = {0};
+    for (int k = 0; k < 8; k++) f->most[k] = 0;
+    f->coded = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t k = pl[i] & 0xFF, kind = pl[i] >> 8;
         if (pl[i] < 0 || k >= w || kind > 1 || wn[i] <= 0 || ws[i] != covered[k] || wn[i] > nw - ws[i] ||
             so[i] < 0 || ss[i] < 0 || so[i] > src->len - ss[i] || (kind == 0 && ss[i] != wn[i]) ||
             (kind == 1 && wn[i] > FUSED_MAX_CHUNK)) {
             PyErr_SetString(PyExc_ValueError, "planes_fused: chunk outside its buffers or out of order");
-            goto done;
+            return -1;
         }
         covered[k] += wn[i];
         if (kind == 1 && ws[i] < w1 && ws[i] + wn[i] > w0) { /* (scratch for this call's words only) */
-            coded = 1;
-            if (wn[i] > most[k]) most[k] = wn[i];
+            f->coded = 1;
+            if (wn[i] > f->most[k]) f->most[k] = wn[i];
         }
     }
     for (int k = 0; k < w; k++) {
         if (covered[k] != nw) {
             PyErr_SetString(PyExc_ValueError, "planes_fused: a plane's chunks do not cover dst");
-            goto done;
+            return -1;
         }
     }
-    if (coded && !zstd_load()) {
+    if (f->coded && !zstd_load()) {
         PyErr_SetString(PyExc_RuntimeError, "libzstd.so.1 (1.4 or later) was not found");
-        goto done;
+        return -1;
     }
     /* each plane's chunk rows, in order */
-    idx = PyMem_Malloc((size_t)(n + 1) * sizeof(Py_ssize_t));
-    if (!idx) {
+    if (!(f->idx = PyMem_Malloc((size_t)(n + 1) * sizeof(Py_ssize_t)))) {
         PyErr_NoMemory();
-        goto done;
+        return -1;
     }
-    {
-        Py_ssize_t start[9] = {0};
-        for (Py_ssize_t i = 0; i < n; i++) start[(pl[i] & 0xFF) + 1]++;
-        for (int k = 0; k < w; k++) start[k + 1] += start[k];
-        Py_ssize_t fill[8];
-        for (int k = 0; k < w; k++) fill[k] = start[k];
-        for (Py_ssize_t i = 0; i < n; i++) idx[fill[pl[i] & 0xFF]++] = i;
+    for (int k = 0; k < 9; k++) f->start[k] = 0;
+    for (Py_ssize_t i = 0; i < n; i++) f->start[(pl[i] & 0xFF) + 1]++;
+    for (int k = 0; k < w; k++) f->start[k + 1] += f->start[k];
+    Py_ssize_t fill[8];
+    for (int k = 0; k < w; k++) fill[k] = f->start[k];
+    for (Py_ssize_t i = 0; i < n; i++) f->idx[fill[pl[i] & 0xFF]++] = i;
+    return 0;
+}
+
+/* Decode a checked call (without the GIL): sets msg and *bad (the chunk) on a failure, or
+ * *no_memory. */
+static void fused_run(const fused_t *f, const uint8_t *sb, char *msg, size_t cap, Py_ssize_t *bad,
+                      int *no_memory) {
+    int w = f->w;
+    long long w0 = f->w0, w1 = f->w1;
+    Py_ssize_t n = f->n;
+    const int64_t *pl = f->t, *ws = f->t + n, *wn = f->t + 2 * n, *so = f->t + 3 * n, *ss = f->t + 4 * n;
+    const Py_ssize_t *idx = f->idx;
+    uint8_t *db = f->dst.buf;
+    for (Py_ssize_t i = 0; f->want && i < n && !msg[0]; i++) {
+        if (ws[i] >= w0 && ws[i] < w1 && xxh3_64(sb + so[i], (size_t)ss[i]) != f->want[i]) {
+            *bad = i;
+            snprintf(msg, cap, "checksum");
+        }
+    }
+    uint8_t *scratch[8] = {0}, *mem = NULL;
+    Py_ssize_t cur[8], have[8];
+    size_t need = 0;
+    for (int k = 0; k < w; k++) need += (size_t)f->most[k];
+    int own_dc = 0, own_mem = 0;
+    int decode = f->coded && !msg[0]; /* (nothing is decoded after a checksum failure) */
+    ZSTD_DCtx *dc = decode ? dctx_take(&own_dc) : NULL;
+    if (decode) mem = scratch_take(need, &own_mem);
+    *no_memory = decode && (!dc || !mem);
+    uint8_t *base = mem;
+    for (int k = 0; k < w; k++) {
+        have[k] = -1;
+        cur[k] = f->start[k];
+        scratch[k] = mem;
+        if (mem) mem += f->most[k];
+    }
+    for (long long s = w0; s < w1 && !*no_memory && !msg[0];) {
+        const uint8_t *pp[8];
+        long long e = w1;
+        for (int k = 0; k < w && !msg[0]; k++) {
+            Py_ssize_t i = idx[cur[k]];
+            while (ws[i] + wn[i] <= s) i = idx[++cur[k]]; /* (the chunks cover every word) */
+            if (pl[i] >> 8 == 0) {
+                pp[k] = sb + so[i] + (s - ws[i]);
+            } else {
+                if (have[k] != i) {
+                    if (decode_frame(dc, (const char *)sb + so[i], (size_t)ss[i], scratch[k], (size_t)wn[i], msg,
+                                     cap)) {
+                        *bad = i;
+                        break;
+                    }
+                    have[k] = i;
+                }
+                pp[k] = scratch[k] + (s - ws[i]);
+            }
+            if (ws[i] + wn[i] < e) e = ws[i] + wn[i];
+        }
+        if (msg[0]) break;
+        dec_ptrs(pp, db + s * w, NULL, 0, w, 0, e - s);
+        s = e;
+    }
+    if (own_mem) free(base);
+    dctx_give(dc, own_dc);
+}
+
+static PyObject *py_planes_fused(PyObject *self, PyObject *args) {
+    Py_buffer src = {0};
+    fused_t f;
+    memset(&f, 0, sizeof f);
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*iy*y*y*y*y*LL|y*", &src, &f.dst, &f.w, &f.tb[0], &f.tb[1], &f.tb[2], &f.tb[3],
+                          &f.tb[4], &f.w0, &f.w1, &f.xb))
+        return NULL;
+    PyObject *ret = NULL;
+    if (fused_check(&f, &src) == 0) {
         char msg[200] = {0};
         Py_ssize_t bad = -1;
         int no_memory = 0;
-        const uint8_t *sb = src->buf;
-        uint8_t *db = dst->buf;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; want && i < n && !msg[0]; i++) {
-            if (ws[i] >= w0 && ws[i] < w1 && xxh3_64(sb + so[i], (size_t)ss[i]) != want[i]) {
-                bad = i;
-                snprintf(msg, sizeof msg, "checksum");
-            }
-        }
-        uint8_t *scratch[8] = {0}, *mem = NULL;
-        Py_ssize_t cur[8], have[8];
-        size_t need = 0;
-        for (int k = 0; k < w; k++) need += (size_t)most[k];
-        int own_dc = 0, own_mem = 0;
-        int decode = coded && !msg[0]; /* (nothing is decoded after a checksum failure) */
-        ZSTD_DCtx *dc = decode ? dctx_take(&own_dc) : NULL;
-        if (decode) mem = scratch_take(need, &own_mem);
-        no_memory = decode && (!dc || !mem);
-        for (int k = 0; k < w; k++) {
-            have[k] = -1;
-            cur[k] = start[k];
-            scratch[k] = mem;
-            if (mem) mem += most[k];
-        }
-        for (long long s = w0; s < w1 && !no_memory && !msg[0];) {
-            const uint8_t *pp[8];
-            long long e = w1;
-            for (int k = 0; k < w && !msg[0]; k++) {
-                Py_ssize_t i = idx[cur[k]];
-                while (ws[i] + wn[i] <= s) i = idx[++cur[k]]; /* (the chunks cover every word) */
-                if (pl[i] >> 8 == 0) {
-                    pp[k] = sb + so[i] + (s - ws[i]);
-                } else {
-                    if (have[k] != i) {
-                        if (decode_frame(dc, (const char *)sb + so[i], (size_t)ss[i], scratch[k], (size_t)wn[i], msg,
-                                         sizeof msg)) {
-                            bad = i;
-                            break;
-                        }
-                        have[k] = i;
-                    }
-                    pp[k] = scratch[k] + (s - ws[i]);
-                }
-                if (ws[i] + wn[i] < e) e = ws[i] + wn[i];
-            }
-            if (msg[0]) break;
-            dec_ptrs(pp, db + s * w, NULL, 0, w, 0, e - s);
-            s = e;
-        }
-        if (own_mem) free(scratch[0]);
-        dctx_give(dc, own_dc);
+        fused_run(&f, src.buf, msg, sizeof msg, &bad, &no_memory);
         Py_END_ALLOW_THREADS
         ret = chunks_result(no_memory, msg, bad);
     }
+    fused_free(&f);
+    PyBuffer_Release(&src);
+    return ret;
+}
+
+/* planes_fused_many(src, items, order, counter): many planes_fused calls over one source, each
+ * item a tuple of planes_fused's other arguments (dst, width, planes, words0, words, soffs,
+ * ssizes, w0, w1, xxh3 or None), every one checked first. Then, without the GIL, the calling
+ * thread takes items in the order `order` (int64, a permutation of the items) from the shared
+ * position counter[0] (int64, atomically incremented: several threads calling with the same
+ * items, order and counter share the work) until none is left or one fails. Returns None, or
+ * (item, chunk, message) of this thread's failure; counter[1] is set to 1 on a failure so that
+ * the other threads stop taking items. */
+static PyObject *py_planes_fused_many(PyObject *self, PyObject *args) {
+    Py_buffer src = {0}, ob = {0}, cb = {0};
+    PyObject *items, *ret = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*O!y*w*", &src, &PyList_Type, &items, &ob, &cb)) return NULL;
+    Py_ssize_t m = PyList_GET_SIZE(items), got = 0;
+    fused_t *fs = PyMem_Calloc((size_t)m + 1, sizeof(fused_t));
+    if (!fs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (ob.len != m * 8 || cb.len < 16 || ((uintptr_t)cb.buf % 8)) {
+        PyErr_SetString(PyExc_ValueError, "planes_fused_many: order must hold one int64 per item, counter two");
+        goto done;
+    }
+    {
+        const int64_t *order = ob.buf;
+        for (Py_ssize_t j = 0; j < m; j++) {
+            if (order[j] < 0 || order[j] >= m) {
+                PyErr_SetString(PyExc_ValueError, "planes_fused_many: order is not a permutation of the items");
+                goto done;
+            }
+        }
+    }
+    for (; got < m; got++) {
+        fused_t *f = &fs[got];
+        PyObject *it = PyList_GET_ITEM(items, got), *xo = Py_None;
+        if (!PyTuple_Check(it) || !PyArg_ParseTuple(it, "w*iy*y*y*y*y*LLO", &f->dst, &f->w, &f->tb[0], &f->tb[1],
+                                                    &f->tb[2], &f->tb[3], &f->tb[4], &f->w0, &f->w1, &xo)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "planes_fused_many: items must be tuples");
+            got++; /* (release what the parse took) */
+            goto done;
+        }
+        if (xo != Py_None && PyObject_GetBuffer(xo, &f->xb, PyBUF_SIMPLE) < 0) {
+            got++;
+            goto done;
+        }
+        if (fused_check(f, &src) < 0) {
+            got++;
+            goto done;
+        }
+    }
+    {
+        char msg[200] = {0};
+        Py_ssize_t bad = -1, which = -1;
+        int no_memory = 0;
+        const int64_t *order = ob.buf;
+        int64_t *counter = cb.buf;
+        const uint8_t *sb = src.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (;;) {
+            if (__atomic_load_n(&counter[1], __ATOMIC_ACQUIRE)) break;
+            int64_t j = __atomic_fetch_add(&counter[0], 1, __ATOMIC_ACQ_REL);
+            if (j >= m) break;
+            which = (Py_ssize_t)order[j];
+            fused_run(&fs[which], sb, msg, sizeof msg, &bad, &no_memory);
+            if (msg[0] || no_memory) {
+                __atomic_store_n(&counter[1], 1, __ATOMIC_RELEASE);
+                break;
+            }
+        }
+        Py_END_ALLOW_THREADS
+        if (no_memory)
+            PyErr_NoMemory();
+        else if (msg[0])
+            ret = Py_BuildValue("(nns)", which, bad, msg);
+        else {
+            ret = Py_None;
+            Py_INCREF(ret);
+        }
+    }
 done:
-    PyMem_Free(idx);
-    PyMem_Free(want);
-    return finish(ret, t, b, 8);
+    if (fs) {
+        for (Py_ssize_t j = 0; j < got; j++) fused_free(&fs[j]);
+        PyMem_Free(fs);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&cb);
+    return ret;
 }
 
 /* zstd_encode(src, dst, soffs, ssizes, doffs, dcaps, osizes, params): every chunk
@@ -1490,6 +1625,9 @@ static PyMethodDef methods[] = {
     {"planes_fused", py_planes_fused, METH_VARARGS,
      "planes_fused(src, dst, width, planes, words0, words, soffs, ssizes, w0, w1[, xxh3]): words from their "
      "planes' stored and zstd chunks in one pass, verified first with xxh3; None or (index, message)"},
+    {"planes_fused_many", py_planes_fused_many, METH_VARARGS,
+     "planes_fused_many(src, items, order, counter): many planes_fused calls, shared between the threads "
+     "that call it with the same order and counter; None or (item, chunk, message)"},
     {"xxh3_load", py_xxh3_load, METH_VARARGS,
      "xxh3_load(path): take XXH3_64bits from the loaded shared object path; whether it is loaded"},
     {"xxh3_many", py_xxh3_many, METH_VARARGS,
@@ -1512,7 +1650,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bpnative",
                                     NULL, NULL, NULL, NULL};
 
 /* what ckptzip.native checks: a build of another version of this file is not used */
-#define BPNATIVE_API 13
+#define BPNATIVE_API 14
 
 PyMODINIT_FUNC PyInit__bpnative(void) {
     for (int c = 1; c < CLOG_N; c++) clog_tab[c] = (double)c * log2((double)c);

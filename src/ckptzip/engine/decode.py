@@ -74,6 +74,9 @@ PIECE_MIN = 256 << 10
 #: by the calling thread while the pool's threads take the fused pieces (below PARALLEL_BYTES
 #: and ZSTD_PARALLEL_BYTES, their own steps never wait for the pool)
 OVERLAP_REST = 256 << 10
+#: fused pieces without a reference transform are taken by the threads from one queue in C
+#: (``planes_fused_many``) instead of one Python call each
+QUEUE_PIECES = True
 
 
 def storage_chain(s: dict[str, Any], device: str, cache: dict | None = None, parsed: list | None = None
@@ -686,30 +689,62 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: n
     # (with native.XXH3 each piece's chunks are verified inside planes_fused, without the GIL)
     sums = rows["xxh3"].astype(np.uint64) if plan.verify and native.XXH3 else None  # (lib is set here)
 
-    def one(k: int) -> None:
+    def call(k: int) -> tuple:
+        """Piece k's planes_fused arguments after the source."""
         (job, a, b, r0, t), w0, w1 = work[k]
         n = len(t[0])
-        so = np.ascontiguousarray(soffs[r0:r0 + n])
-        extra = ()
-        if sums is not None:
-            extra = (sums[r0:r0 + n],)
-        elif plan.verify:  # (this piece's chunks: those whose words start in w0..w1)
+        return (job.out.numpy()[a:b], job.tf.width, t[0], t[1], t[2], np.ascontiguousarray(soffs[r0:r0 + n]), t[3],
+                w0, w1, sums[r0:r0 + n] if sums is not None else None)
+
+    def failed(k: int, err: tuple) -> None:
+        r0 = work[k][0][3]
+        if err[1] == "checksum" and sums is not None:
+            raise ChecksumError(f"chunk at file offset {int(rows['offset'][r0 + err[0]])} fails its checksum")
+        raise CodecError(f"zstd: chunk {r0 + max(err[0], 0)} {err[1]}")
+
+    def one(k: int) -> None:
+        (job, a, b, r0, t), w0, w1 = work[k]
+        *args, xxh = call(k)
+        if sums is None and plan.verify:  # (this piece's chunks: those whose words start in w0..w1)
             mine = np.nonzero((t[1] >= w0) & (t[1] < w1))[0] if w0 or w1 < (b - a) // job.tf.width else slice(None)
-            verify(s, so[mine], rows[r0:r0 + n][mine])
+            verify(s, args[5][mine], rows[r0:r0 + len(t[0])][mine])
         try:
-            err = native.lib.planes_fused(s, job.out.numpy()[a:b], job.tf.width, t[0], t[1], t[2], so, t[3], w0, w1,
-                                          *extra)
+            err = native.lib.planes_fused(s, *args, *(() if xxh is None else (xxh,)))
         except ValueError as e:  # (the table is built from a validated manifest)
             raise CorruptFileError(f"byteplane chunks: {e}") from None
-        if err is not None and err[1] == "checksum" and sums is not None:
-            raise ChecksumError(f"chunk at file offset {int(rows['offset'][r0 + err[0]])} fails its checksum")
         if err is not None:
-            raise CodecError(f"zstd: chunk {r0 + max(err[0], 0)} {err[1]}")
+            failed(k, err)
         if job.ref is not None:  # (in place, on the piece while it is in the cache)
             w = job.tf.width
             piece = job.out[a + w0 * w:a + w1 * w]
             job.ref.decode(piece, piece, start=a + w0 * w)
-    pmap_balanced(one, [_piece_cost(it, w0, w1) for it, w0, w1 in work], PIECE_MIN, first)
+    costs = [_piece_cost(it, w0, w1) for it, w0, w1 in work]
+    # pieces without a reference transform whose chunks are verified in C (or were by the
+    # reader) go to one shared queue in C: each thread takes pieces from it in one call without
+    # the GIL (no handover per piece, while the calling thread runs ``first``'s Python)
+    queued = ([k for k, (it, _w0, _w1) in enumerate(work) if it[0].ref is None]
+              if QUEUE_PIECES and (sums is not None or not plan.verify) else [])
+    if len(queued) < 2:
+        pmap_balanced(one, costs, PIECE_MIN, first)
+        return
+    rest = [k for k, (it, _w0, _w1) in enumerate(work) if it[0].ref is not None]
+    items = [call(k) for k in queued]
+    order = np.argsort(-np.asarray([costs[k] for k in queued]), kind="stable").astype(np.int64)
+    counter = np.zeros(2, dtype=np.int64)
+    threads = cpu_threads()
+
+    def take(j: int) -> None:
+        if j >= len(rest):  # (one of the queue's takers: every thread runs one)
+            try:
+                err = native.lib.planes_fused_many(s, items, order, counter)
+            except ValueError as e:
+                raise CorruptFileError(f"byteplane chunks: {e}") from None
+            if err is not None:
+                failed(queued[err[0]], err[1:])
+            return
+        one(rest[j])
+    total = sum(costs[k] for k in queued)
+    pmap_balanced(take, [costs[k] for k in rest] + [total] * threads, PIECE_MIN, first)
 
 
 def _piece_cost(item, w0: int, w1: int) -> float:
