@@ -744,6 +744,46 @@ def test_fused_queue_refuses_bad_input_before_decoding():
         assert bytes(d) == words.view(np.uint8).tobytes()
 
 
+def test_fused_queue_post_steps_equal_the_python_inverses():
+    """A queued piece's post step (expgrid's and expref's inverse on its words once decoded)
+    gives what ``planes_fused`` then ``exp_grid`` / ``exp_ref`` give, on pieces starting
+    anywhere in the grid; bad steps (an unknown kind, words past the grid, a reference of
+    another length or overlapping dst, 2-byte words) are refused before anything is written."""
+    lib = _fused_lib()
+    src, pieces = _fused_queue_case(4, [(4, 3000, 700, 150, 0.6), (8, 1000, 300, 120, 0.5)])
+    rng = np.random.default_rng(4)
+    rr = rng.integers(0, 40000, 60).astype(np.int32)
+    cc = rng.integers(-3000, 3000, 130).astype(np.int32)
+    refw = rng.integers(0, 2**32, 3000, dtype=np.uint64).astype(np.uint32)
+    for (words, w, t) in pieces:
+        nb, nw = words.nbytes, words.size
+        for post in (("grid", rr, cc, 17), ("ref", refw.view(np.uint8)[:nb])):
+            want = np.zeros(nb, np.uint8)
+            assert lib.planes_fused(src, want, w, *t, 0, nw) is None
+            if post[0] == "grid":
+                lib.exp_grid(want.copy(), want, rr, cc, 17, 1)
+            else:
+                lib.exp_ref(want.copy(), want, post[1], 1)
+            got = np.zeros(nb, np.uint8)
+            cut = nw // 3
+            items = [(got, w, *t, 0, cut, None, post), (got, w, *t, cut, nw, None, post)]
+            assert lib.planes_fused_many(src, items, np.arange(2, dtype=np.int64), np.zeros(2, np.int64)) is None
+            assert bytes(got) == bytes(want)
+    words, w, t = pieces[0]
+    dst = np.zeros(words.nbytes, np.uint8)
+    for post in (("nope", rr), ("grid", rr, cc, 60 * 130 - 10), ("grid", rr[:2], cc[:3], 0), ("ref", refw.view(np.uint8)[:8]),
+                 ("ref", dst), ("grid", rr, cc), 5):
+        with pytest.raises((ValueError, TypeError)):
+            lib.planes_fused_many(src, [(dst, w, *t, 0, words.size, None, post)], np.zeros(1, np.int64),
+                                  np.zeros(2, np.int64))
+    w2, _w, t2 = _fused_queue_case(5, [(2, 400, 100, 50, 0.5)])[1][0]
+    src2 = _fused_queue_case(5, [(2, 400, 100, 50, 0.5)])[0]
+    with pytest.raises(ValueError):
+        lib.planes_fused_many(src2, [(np.zeros(800, np.uint8), 2, *t2, 0, 400, None, ("ref", np.zeros(800, np.uint8)))],
+                              np.zeros(1, np.int64), np.zeros(2, np.int64))
+    assert not dst.any()
+
+
 @pytest.mark.parametrize("queue", [True, False])
 def test_fused_queue_and_one_call_per_piece_load_alike(tmp_path, monkeypatch, queue):
     """Loads with the pieces in one C queue or one call each are the same, and a damaged chunk

@@ -567,16 +567,18 @@ def test_sync_save_reuses_plans_only_when_asked(tmp_path, monkeypatch):
         assert torch.equal(back["optimizer"]["state"][k]["exp_avg_sq"], s["exp_avg_sq"])
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("fused", [True, False, "one call per piece"])
 def test_expgrid_and_expref_fused_cpu_decode(tmp_path, monkeypatch, fused):
     """CPU loads undo ``expgrid`` and ``expref`` in place on each piece of a fused byteplane
-    batch (pieces split between threads, each with its own start offset), or in two steps:
-    bit-exact either way, and the fused path really takes these storages."""
+    batch (pieces split between threads, each with its own start offset: in the C queue with
+    its post steps, or one call each and the step in Python), or in two steps: bit-exact either
+    way, and the fused path really takes these storages."""
     from ckptzip import native
     from ckptzip.engine import decode as dec
     if fused and (native.lib is None or not native.lib.zstd_version()):
         pytest.skip("no C extension or no system libzstd")
-    monkeypatch.setattr(dec, "FUSED", fused)
+    monkeypatch.setattr(dec, "FUSED", bool(fused))
+    monkeypatch.setattr(dec, "QUEUE_PIECES", fused is True)
     monkeypatch.setattr(dec, "FUSED_MIN", 1 << 16)
     monkeypatch.setattr(dec.ccpu, "PARALLEL_BYTES", 1 << 18)  # pieces of 128 KiB and up
     st_ = grid_state(rows=512, cols=768, layers=2)
@@ -592,9 +594,14 @@ def test_expgrid_and_expref_fused_cpu_decode(tmp_path, monkeypatch, fused):
 
         from conftest import FusedSpy
         monkeypatch.setattr(native, "lib", FusedSpy(real, lambda *a: calls.append((a[8], a[9]))))
+        posts = []
+        real_post = dec._queue_post
+        monkeypatch.setattr(dec, "_queue_post", lambda *a: posts.append(real_post(*a)) or posts[-1])
     assert_same(ckptzip.load(p), st_)
     if fused:
         assert any(w0 > 0 for w0, _w1 in calls)  # a batch cut into pieces
+    if fused is True:  # (both steps went to the queue)
+        assert {p[0] for p in posts if p} == {"grid", "ref"}
 
 
 def test_exponent_entropy_native_equals_numpy():

@@ -440,6 +440,30 @@ static int same_words(Py_buffer *a, Py_buffer *b) {
     return 0;
 }
 
+/* expgrid's words: o[k] = x[k] with the exponent plus sign x the prediction of grid word w0 + k
+ * (x may be o); rows x cols checked by the caller */
+static void exp_grid_run(const u32a *x, u32a *o, const i32a *rr, const i32a *cc, long long cols, long long w0,
+                         long long n, int sign) {
+    long long k = 0;
+    while (k < n) {
+        long long g = w0 + k, row = g / cols, col = g % cols;
+        long long m = cols - col < n - k ? cols - col : n - k;
+        int32_t rv = rr[row];
+        for (long long j = 0; j < m; j++) {
+            /* the sum wraps as numpy's int32 does (unsigned: no undefined overflow) */
+            int32_t p = (int32_t)((uint32_t)rv + (uint32_t)cc[col + j]);
+            uint32_t q = ((uint32_t)(p >> 8) & 0xFFu) << 23;
+            o[k + j] = exp_add(x[k + j], q, sign);
+        }
+        k += m;
+    }
+}
+
+/* expref's words: the exponent plus sign x (the reference word's field >> 1) */
+static void exp_ref_run(const u32a *x, u32a *o, const u32a *f, long long n, int sign) {
+    for (long long k = 0; k < n; k++) o[k] = exp_add(x[k], (f[k] >> 1) & 0x3F800000u, sign);
+}
+
 static PyObject *py_exp_grid(PyObject *self, PyObject *args) {
     Py_buffer src = {0}, out = {0}, r = {0}, c = {0};
     long long w0;
@@ -460,19 +484,7 @@ static PyObject *py_exp_grid(PyObject *self, PyObject *args) {
         u32a *o = out.buf;
         const i32a *rr = r.buf, *cc = c.buf;
         BEGIN_MAYBE(n * 4)
-        long long k = 0;
-        while (k < n) {
-            long long g = w0 + k, row = g / cols, col = g % cols;
-            long long m = cols - col < n - k ? cols - col : n - k;
-            int32_t rv = rr[row];
-            for (long long j = 0; j < m; j++) {
-                /* the sum wraps as numpy's int32 does (unsigned: no undefined overflow) */
-                int32_t p = (int32_t)((uint32_t)rv + (uint32_t)cc[col + j]);
-                uint32_t q = ((uint32_t)(p >> 8) & 0xFFu) << 23;
-                o[k + j] = exp_add(x[k + j], q, sign);
-            }
-            k += m;
-        }
+        exp_grid_run(x, o, rr, cc, cols, w0, n, sign);
         END_MAYBE
     }
     Py_INCREF(Py_None);
@@ -550,7 +562,7 @@ static PyObject *py_exp_ref(PyObject *self, PyObject *args) {
         const u32a *x = src.buf, *f = ref.buf;
         u32a *o = out.buf;
         BEGIN_MAYBE(n * 4)
-        for (long long k = 0; k < n; k++) o[k] = exp_add(x[k], (f[k] >> 1) & 0x3F800000u, sign);
+        exp_ref_run(x, o, f, n, sign);
         END_MAYBE
     }
     Py_INCREF(Py_None);
@@ -1044,6 +1056,12 @@ typedef struct {
     Py_ssize_t n, *idx, start[9];
     long long most[8];
     int coded;
+    /* planes_fused_many's post step on the piece's words, in place: 0 none, 1 expgrid (pa: r,
+     * pb: c, int32; g0: the grid word of dst's first word), 2 expref (pa: the reference's words
+     * beside dst's) */
+    int post;
+    Py_buffer pa, pb;
+    long long g0;
 } fused_t;
 
 static void fused_free(fused_t *f) {
@@ -1056,6 +1074,8 @@ static void fused_free(fused_t *f) {
     PyBuffer_Release(&f->dst);
     for (int k = 0; k < 5; k++) PyBuffer_Release(&f->tb[k]);
     PyBuffer_Release(&f->xb);
+    PyBuffer_Release(&f->pa);
+    PyBuffer_Release(&f->pb);
 }
 
 /* Check a call's inputs against src (with the GIL): 0, or -1 with a Python exception set. */
@@ -1138,6 +1158,24 @@ static int fused_check(fused_t *f, const Py_buffer *src) {
     Py_ssize_t fill[8];
     for (int k = 0; k < w; k++) fill[k] = f->start[k];
     for (Py_ssize_t i = 0; i < n; i++) f->idx[fill[pl[i] & 0xFF]++] = i;
+    if (f->post) {
+        long long cells;
+        if (w % 4) {
+            PyErr_SetString(PyExc_ValueError, "planes_fused_many: a post step needs whole float32 words");
+            return -1;
+        }
+        if (f->post == 1 && (f->pa.len % 4 || f->pb.len % 4 || f->pb.len < 4 || f->g0 < 0 ||
+                             __builtin_mul_overflow((long long)(f->pa.len / 4), (long long)(f->pb.len / 4), &cells) ||
+                             f->g0 > cells || dst->len / 4 > cells - f->g0)) {
+            PyErr_SetString(PyExc_ValueError, "expgrid: words outside the grid");
+            return -1;
+        }
+        if (f->post == 2 && (f->pa.len != dst->len || ((const char *)f->pa.buf < (const char *)dst->buf + dst->len &&
+                                                       (const char *)dst->buf < (const char *)f->pa.buf + f->pa.len))) {
+            PyErr_SetString(PyExc_ValueError, "expref: the reference must be as long as dst and apart from it");
+            return -1;
+        }
+    }
     return 0;
 }
 
@@ -1200,6 +1238,14 @@ static void fused_run(const fused_t *f, const uint8_t *sb, char *msg, size_t cap
     }
     if (own_mem) free(base);
     dctx_give(dc, own_dc);
+    if (f->post && !msg[0] && !*no_memory) { /* (on the piece's words while they are in the cache) */
+        long long p0 = w0 * w / 4, cnt = (w1 - w0) * w / 4;
+        u32a *o = (u32a *)db + p0;
+        if (f->post == 1)
+            exp_grid_run(o, o, f->pa.buf, f->pb.buf, f->pb.len / 4, f->g0 + p0, cnt, 1);
+        else
+            exp_ref_run(o, o, (const u32a *)f->pa.buf + p0, cnt, 1);
+    }
 }
 
 static PyObject *py_planes_fused(PyObject *self, PyObject *args) {
@@ -1227,7 +1273,10 @@ static PyObject *py_planes_fused(PyObject *self, PyObject *args) {
 
 /* planes_fused_many(src, items, order, counter): many planes_fused calls over one source, each
  * item a tuple of planes_fused's other arguments (dst, width, planes, words0, words, soffs,
- * ssizes, w0, w1, xxh3 or None), every one checked first. Then, without the GIL, the calling
+ * ssizes, w0, w1, xxh3 or None[, post]), every one checked first; post, a step on each piece's
+ * words once decoded (in place, in the cache): ("grid", r, c, g0), expgrid's inverse with the
+ * int32 terms r, c for dst's words from grid word g0, or ("ref", words), expref's inverse against
+ * the reference words beside dst's. Then, without the GIL, the calling
  * thread takes items in the order `order` (int64, a permutation of the items) from the shared
  * position counter[0] (int64, atomically incremented: several threads calling with the same
  * items, order and counter share the work) until none is left or one fails. Returns None, or
@@ -1259,9 +1308,9 @@ static PyObject *py_planes_fused_many(PyObject *self, PyObject *args) {
     }
     for (; got < m; got++) {
         fused_t *f = &fs[got];
-        PyObject *it = PyList_GET_ITEM(items, got), *xo = Py_None;
-        if (!PyTuple_Check(it) || !PyArg_ParseTuple(it, "w*iy*y*y*y*y*LLO", &f->dst, &f->w, &f->tb[0], &f->tb[1],
-                                                    &f->tb[2], &f->tb[3], &f->tb[4], &f->w0, &f->w1, &xo)) {
+        PyObject *it = PyList_GET_ITEM(items, got), *xo = Py_None, *po = Py_None;
+        if (!PyTuple_Check(it) || !PyArg_ParseTuple(it, "w*iy*y*y*y*y*LLO|O", &f->dst, &f->w, &f->tb[0], &f->tb[1],
+                                                    &f->tb[2], &f->tb[3], &f->tb[4], &f->w0, &f->w1, &xo, &po)) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "planes_fused_many: items must be tuples");
             got++; /* (release what the parse took) */
             goto done;
@@ -1269,6 +1318,22 @@ static PyObject *py_planes_fused_many(PyObject *self, PyObject *args) {
         if (xo != Py_None && PyObject_GetBuffer(xo, &f->xb, PyBUF_SIMPLE) < 0) {
             got++;
             goto done;
+        }
+        if (po != Py_None) { /* ("grid", r, c, g0) or ("ref", words) */
+            const char *kind = NULL;
+            PyObject *k0 = PyTuple_Check(po) && PyTuple_GET_SIZE(po) ? PyTuple_GET_ITEM(po, 0) : NULL;
+            kind = k0 && PyUnicode_Check(k0) ? PyUnicode_AsUTF8(k0) : NULL;
+            int ok = 0;
+            if (kind && !strcmp(kind, "grid"))
+                ok = PyArg_ParseTuple(po, "sy*y*L", &kind, &f->pa, &f->pb, &f->g0) && (f->post = 1);
+            else if (kind && !strcmp(kind, "ref"))
+                ok = PyArg_ParseTuple(po, "sy*", &kind, &f->pa) && (f->post = 2);
+            if (!ok) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_ValueError, "planes_fused_many: a post step is (\"grid\", r, c, g0) or (\"ref\", words)");
+                got++;
+                goto done;
+            }
         }
         if (fused_check(f, &src) < 0) {
             got++;

@@ -703,6 +703,12 @@ class ExpGrid(_ExpPredictor):
         r, c = self._dev[key]
         return r[i0:i1], c
 
+    def cpu_terms(self) -> tuple[np.ndarray, np.ndarray]:
+        """The row and column terms as int32 arrays (what the C inverse takes), made once."""
+        if "np" not in self._dev:
+            self._dev["np"] = (self.r.astype(np.int32), self.c.astype(np.int32))
+        return self._dev["np"]
+
     def _apply(self, src: torch.Tensor, out: torch.Tensor, start: int, sign: int) -> None:
         """``out`` = ``src`` with its half-shifted exponent field plus ``sign`` x the prediction,
         row segment by row segment (a partial first row, whole rows, a partial last row)."""
@@ -712,9 +718,7 @@ class ExpGrid(_ExpPredictor):
         cpu = out.device.type == "cpu" and not _TORCH_ON_CPU  # numpy: torch's CPU ops stall on loaded cores
         if cpu:
             x, o = src.numpy().view(np.uint32), out.numpy().view(np.uint32)
-            if "np" not in self._dev:
-                self._dev["np"] = (self.r.astype(np.int32), self.c.astype(np.int32))
-            rr, cc = self._dev["np"]
+            rr, cc = self.cpu_terms()
             if native.lib is not None:  # one pass in C
                 native.lib.exp_grid(x, o, rr, cc, start // 4, sign)
                 return
