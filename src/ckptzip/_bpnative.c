@@ -1715,7 +1715,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bpnative",
                                     NULL, NULL, NULL, NULL};
 
 /* what ckptzip.native checks: a build of another version of this file is not used */
-#define BPNATIVE_API 14
+#define BPNATIVE_API 15
 
 PyMODINIT_FUNC PyInit__bpnative(void) {
     for (int c = 1; c < CLOG_N; c++) clog_tab[c] = (double)c * log2((double)c);
