@@ -643,3 +643,89 @@ def test_states_without_float32_skip_the_adam_key_search(monkeypatch):
     assert not calls
     ckptzip.save(st, io.BytesIO(), device="cpu")
     assert calls
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 9000), st.integers(1, 5000), st.integers(0, 9000), st.integers(0, 9000),
+       st.integers(0, 2**32 - 1))
+def test_encode_pre_step_equals_residual_then_planes(n, block, a, b, seed):
+    """``_bpnative.encode``'s pre step (expgrid's or expref's residual made word by word inside
+    the planes' pass) writes the planes of the residual that ``exp_grid`` / ``exp_ref`` make
+    first, for any block and word range, and leaves the source as it was."""
+    from ckptzip import native
+    if native.lib is None:
+        pytest.skip("the C extension is not built")
+    lib = native.lib
+    rng = np.random.default_rng(seed)
+    src = (rng.standard_normal(n) * 1e-3).astype(np.float32).view(np.uint8)
+    keep = src.copy()
+    w0, w1 = sorted((a % (n + 1), b % (n + 1)))
+    rr = rng.integers(0, 40000, 97).astype(np.int32)
+    cc = rng.integers(-3000, 3000, 101).astype(np.int32)
+    g0 = int(rng.integers(0, 97 * 101 - n + 1)) if n <= 97 * 101 else None
+    ref = (rng.standard_normal(n) * 1e-2).astype(np.float32).view(np.uint8)
+    for pre in ([("grid", rr, cc, g0)] if g0 is not None else []) + [("ref", ref)]:
+        res = np.empty_like(src)
+        if pre[0] == "grid":
+            lib.exp_grid(src, res, rr, cc, g0, -1)
+        else:
+            lib.exp_ref(src, res, ref, -1)
+        want = np.zeros_like(src)
+        lib.encode(res, want, 4, block, w0, w1)
+        got = np.zeros_like(src)
+        lib.encode(src, got, 4, block, w0, w1, pre)
+        assert bytes(got) == bytes(want)
+        assert bytes(src) == bytes(keep)
+
+
+def test_encode_pre_step_refused_when_it_does_not_fit():
+    """A pre step of an unknown kind, on 2- or 8-byte words, past the grid, or with a reference
+    of another length or over the destination is a ValueError (nothing written)."""
+    from ckptzip import native
+    if native.lib is None:
+        pytest.skip("the C extension is not built")
+    lib = native.lib
+    src = np.arange(4000, dtype=np.uint8)
+    out = np.zeros(4000, np.uint8)
+    rr, cc = np.zeros(10, np.int32), np.zeros(10, np.int32)
+    for w, pre in [(4, ("nope",)), (4, 3), (2, ("ref", src.copy())), (8, ("grid", rr, cc, 0)),
+                   (4, ("grid", rr, cc, 1)), (4, ("grid", rr, cc, -1)), (4, ("ref", src[:40].copy())),
+                   (4, ("ref", out))]:
+        with pytest.raises((ValueError, TypeError)):
+            lib.encode(src, out, w, 100, 0, 4000 // w, pre)
+    assert not out.any()
+
+
+def test_cpu_saves_make_the_residual_in_the_planes_pass(tmp_path, monkeypatch):
+    """CPU saves of expgrid / expref storages under byte planes make the residual inside the
+    planes' C pass (no residual tensor): the file is byte for byte the one the residual made
+    first gives, the caller's tensors are untouched, and the load is bit-exact."""
+    from ckptzip import native
+    from ckptzip.engine import encode as enc
+    if native.lib is None:
+        pytest.skip("the C extension is not built")
+    st_ = grid_state(rows=512, cols=768, layers=2)
+    st_["opt2"] = adam_state(1, rows=512, cols=768, layers=1)["optimizer"]  # (m against v: expref)
+    before = {k: v.clone() for k, v in _tensors(st_).items()}
+    seen = []
+    real = enc._pre_step
+    monkeypatch.setattr(enc, "_pre_step", lambda u: seen.append(real(u)) or seen[-1])
+    a, b = tmp_path / "a.ckz", tmp_path / "b.ckz"
+    ckptzip.save(st_, a, device="cpu", chunk_size=1 << 16)
+    assert {p[0] for p in seen if p} == {"grid", "ref"}
+    monkeypatch.setattr(enc, "_pre_step", lambda u: None)
+    ckptzip.save(st_, b, device="cpu", chunk_size=1 << 16)
+    assert a.read_bytes() == b.read_bytes()
+    for k, v in _tensors(st_).items():
+        assert torch.equal(v, before[k]), k
+    assert_same(ckptzip.load(a), st_)
+
+
+def _tensors(obj, path=""):
+    if isinstance(obj, torch.Tensor):
+        return {path: obj}
+    if isinstance(obj, dict):
+        return {k: v for key, x in obj.items() for k, v in _tensors(x, f"{path}.{key}").items()}
+    if isinstance(obj, (list, tuple)):
+        return {k: v for i, x in enumerate(obj) for k, v in _tensors(x, f"{path}.{i}").items()}
+    return {}

@@ -5,7 +5,9 @@
  * from) their planes in one pass, 16 words per SSE2 step on x86-64, a plain loop elsewhere.
  * The functions release the GIL; callers split the words between threads.
  *
- *   encode(src, out, width, block, w0, w1)        planes of words w0..w1 of src into out
+ *   encode(src, out, width, block, w0, w1[, pre])  planes of words w0..w1 of src into out; pre:
+ *       ("grid", r, c, g0) or ("ref", words), expgrid's / expref's residual of each float32 word
+ *       made just before its planes (the residual is never written out)
  *   decode(src, dst, width, block, w0, w1)        words w0..w1 of dst from the planes in src
  *   decode_onto(src, dst, ref, width, block, fold, w0, w1)
  *       the same, then combined with ref (fold 1: xor; 2: delta, the sign-folded difference
@@ -316,24 +318,96 @@ static int check(bufs_t *b, int w, long long block, long long w0, long long w1) 
         i = e;                                                              \
     }
 
-/* byteplane encode (decode = 0) or decode (1) of words w0..w1 */
+static void exp_grid_run(const u32a *x, u32a *o, const i32a *rr, const i32a *cc, long long cols, long long w0,
+                         long long n, int sign);
+static void exp_ref_run(const u32a *x, u32a *o, const u32a *f, long long n, int sign);
+
+/* encode's pre step: expgrid's residual (kind 1; a: r, b: c, int32; g0: the grid word of src's
+ * first word) or expref's (kind 2; a: the reference's words beside src's) of each float32 word,
+ * made in a small buffer just before the word's planes */
+typedef struct { int kind; Py_buffer a, b; long long g0; } pre_t;
+
+static int pre_parse(PyObject *po, pre_t *p, const Py_buffer *src, const Py_buffer *dst, int w) {
+    if (po == Py_None) return 0;
+    PyObject *k0 = PyTuple_Check(po) && PyTuple_GET_SIZE(po) ? PyTuple_GET_ITEM(po, 0) : NULL;
+    const char *kind = k0 && PyUnicode_Check(k0) ? PyUnicode_AsUTF8(k0) : NULL;
+    if (kind && !strcmp(kind, "grid")) {
+        if (!PyArg_ParseTuple(po, "sy*y*L", &kind, &p->a, &p->b, &p->g0)) return -1;
+        p->kind = 1;
+    } else if (kind && !strcmp(kind, "ref")) {
+        if (!PyArg_ParseTuple(po, "sy*", &kind, &p->a)) return -1;
+        p->kind = 2;
+    } else {
+        PyErr_SetString(PyExc_ValueError, "encode: a pre step is (\"grid\", r, c, g0) or (\"ref\", words)");
+        return -1;
+    }
+    long long cells;
+    if (w != 4) {
+        PyErr_SetString(PyExc_ValueError, "encode: a pre step needs width 4");
+        return -1;
+    }
+    if (p->kind == 1 && (p->a.len % 4 || p->b.len % 4 || p->b.len < 4 || p->g0 < 0 ||
+                         __builtin_mul_overflow((long long)(p->a.len / 4), (long long)(p->b.len / 4), &cells) ||
+                         p->g0 > cells || src->len / 4 > cells - p->g0)) {
+        PyErr_SetString(PyExc_ValueError, "expgrid: words outside the grid");
+        return -1;
+    }
+    if (p->kind == 2 && (p->a.len != src->len || ((const char *)p->a.buf < (const char *)dst->buf + dst->len &&
+                                                  (const char *)dst->buf < (const char *)p->a.buf + p->a.len))) {
+        PyErr_SetString(PyExc_ValueError, "expref: the reference must be as long as src and apart from dst");
+        return -1;
+    }
+    return 0;
+}
+
+#define PRE_SEG 2048
+/* enc_run of words j0..j1 of the block at word s, each word first through the pre step */
+static void enc_pre_run(const uint8_t *src, uint8_t *dst, long long s, int w, long long m, long long j0,
+                        long long j1, const pre_t *p) {
+    uint32_t tmp[PRE_SEG];
+    for (long long jj = j0; jj < j1; jj += PRE_SEG) {
+        long long je = jj + PRE_SEG < j1 ? jj + PRE_SEG : j1, k = je - jj;
+        const u32a *x = (const u32a *)src + s + jj;
+        if (p->kind == 1)
+            exp_grid_run(x, (u32a *)tmp, p->a.buf, p->b.buf, p->b.len / 4, p->g0 + s + jj, k, -1);
+        else
+            exp_ref_run(x, (u32a *)tmp, (const u32a *)p->a.buf + s + jj, k, -1);
+        /* (enc_run indexes the block's words from its start: tmp holds words jj..je) */
+        enc_run((const uint8_t *)((uintptr_t)tmp - (uintptr_t)(jj * 4)), dst + s * w, w, m, jj, je);
+    }
+}
+
+/* byteplane encode (decode = 0) or decode (1) of words w0..w1; encode takes an optional pre step */
 static PyObject *planes(PyObject *args, int decode) {
     bufs_t b = {0};
     int w;
     long long block, w0, w1;
-    if (!PyArg_ParseTuple(args, "y*w*iLLL", &b.src, &b.dst, &w, &block, &w0, &w1)) return NULL;
-    if (check(&b, w, block, w0, w1)) { release(&b); return NULL; }
+    PyObject *po = Py_None;
+    pre_t pre;
+    memset(&pre, 0, sizeof pre);
+    if (!PyArg_ParseTuple(args, decode ? "y*w*iLLL" : "y*w*iLLL|O", &b.src, &b.dst, &w, &block, &w0, &w1, &po))
+        return NULL;
+    if (check(&b, w, block, w0, w1) || pre_parse(po, &pre, &b.src, &b.dst, w)) {
+        release(&b);
+        PyBuffer_Release(&pre.a);
+        PyBuffer_Release(&pre.b);
+        return NULL;
+    }
     long long n = b.src.len / w;
     const uint8_t *src = b.src.buf;
     uint8_t *dst = b.dst.buf;
     BEGIN_MAYBE((w1 - w0) * w)
     if (decode) {
         FOR_BLOCKS(n, block, w0, w1, dec_run(src + s * w, dst + s * w, NULL, 0, w, m, j0, j1))
+    } else if (pre.kind) {
+        FOR_BLOCKS(n, block, w0, w1, enc_pre_run(src, dst, s, w, m, j0, j1, &pre))
     } else {
         FOR_BLOCKS(n, block, w0, w1, enc_run(src + s * w, dst + s * w, w, m, j0, j1))
     }
     END_MAYBE
     release(&b);
+    PyBuffer_Release(&pre.a);
+    PyBuffer_Release(&pre.b);
     Py_RETURN_NONE;
 }
 
@@ -1680,7 +1754,8 @@ static PyMethodDef methods[] = {
      "plane_entropy_many(srcs, widths, bits, run): plane_entropy of many buffers' 4 spread runs, in one call"},
     {"copy_segments", py_copy_segments, METH_VARARGS,
      "copy_segments(src, dst, soffs, doffs, lens): dst[doffs[i]:+lens[i]] = src[soffs[i]:+lens[i]]"},
-    {"encode", py_encode, METH_VARARGS, "encode(src, out, width, block, w0, w1): byte planes of words w0..w1"},
+    {"encode", py_encode, METH_VARARGS,
+     "encode(src, out, width, block, w0, w1[, pre]): byte planes of words w0..w1, after an expgrid/expref pre step"},
     {"decode", py_decode, METH_VARARGS, "decode(src, dst, width, block, w0, w1): words w0..w1 from byte planes"},
     {"decode_onto", py_decode_onto, METH_VARARGS,
      "decode_onto(src, dst, ref, width, block, fold, w0, w1): decode, then xor (fold 1) or add the "
@@ -1715,7 +1790,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bpnative",
                                     NULL, NULL, NULL, NULL};
 
 /* what ckptzip.native checks: a build of another version of this file is not used */
-#define BPNATIVE_API 15
+#define BPNATIVE_API 16
 
 PyMODINIT_FUNC PyInit__bpnative(void) {
     for (int c = 1; c < CLOG_N; c++) clog_tab[c] = (double)c * log2((double)c);

@@ -15,7 +15,7 @@ from ..format import FLAG_STORED_RAW, ROW
 from ..kernels import enabled, launch, triton_kernels
 from ..transforms import Transform
 from ..transforms.byteplane import BytePlane
-from ..transforms.refs import fused_planes, multi_segment
+from ..transforms.refs import ExpGrid, ExpRef, fused_planes, multi_segment
 from .memory import HOST, PINNED, ceil_align, copy_segments
 from .plan import Unit, codec_key
 
@@ -83,10 +83,14 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
                 if here is not None and not u.resolved and u.data.numel() and u.data.device == here else None)
 
     def residual(u: Unit, fz):  # a unit's data after its reference transform (xor, derived, ...:
-        # one elementwise op per window, on the storage's device), unless fused
+        # one elementwise op per window, on the storage's device), unless fused, or made by the
+        # CPU planes' pass itself (pre)
         return (u.plan.ref.encode(u.data, start=u.start) if u.plan.ref is not None and not u.resolved
-                and u.data.numel() and fz is None else u.data)
+                and u.data.numel() and fz is None and id(u) not in pres else u.data)
 
+    # CPU expgrid / expref units under plain byte planes: the residual is made word by word in
+    # the planes' C pass (encode's pre step), not as a whole new tensor first on this thread
+    pres = {id(u): p for u in units if dev == "cpu" for p in (_pre_step(u),) if p is not None}
     fused = [fused_of(u) if mk is None else None for u, mk in zip(units, multi)]
     datas = [residual(u, fz) if mk is None else u.data for u, fz, mk in zip(units, fused, multi)]
     single = len(units) == 1 and units[0].plan.transform is None and datas[0].device.type == dev
@@ -106,7 +110,7 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
             return
         src = data if data.device.type == dev else data.to(dev)
         if u.plan.transform is not None and dev == "cpu":
-            cpu_tf.append((u.plan.transform, src, stream[pos:pos + n]))
+            cpu_tf.append((u.plan.transform, src, stream[pos:pos + n], pres.get(id(u)), u))
         elif fz is not None and fz[0].encode_ref(src, fz[1], stream[pos:pos + n], *fz[2:]):
             pass  # one kernel: residual against the base -> planes
         elif fz is not None:  # the fused kernel is unavailable: the two steps
@@ -150,26 +154,29 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
             small = [t for t, sm in zip(cpu_tf, is_small) if sm]
 
             def one(k: int) -> None:
-                tf, src, out = small[k]
-                enc(src.numpy(), out.numpy(), tf.width, tf.block, 0, src.numel() // tf.width)
+                tf, src, out, pre, _u = small[k]
+                enc(src.numpy(), out.numpy(), tf.width, tf.block, 0, src.numel() // tf.width, pre)
             pmap_sized(one, [t[1].numel() for t in small], inline_small=True)
             cpu_tf = [t for t, sm in zip(cpu_tf, is_small) if not sm]
     if cpu_tf and native.lib is not None and all(type(t[0]) is BytePlane and t[0].rotate is None for t in cpu_tf):
         # the group's byte planes in pieces of TF_PIECE bytes, shared by this thread and the
         # pool's as they come free (a task per unit left one thread to do a 20 MB unit alone)
         pieces = []  # (unit, first word, end word)
-        for k, (tf, src, _out) in enumerate(cpu_tf):
+        for k, (tf, src, *_rest) in enumerate(cpu_tf):
             n, step = src.numel() // tf.width, max(1, TF_PIECE // tf.width)
             pieces.extend((k, a, min(n, a + step)) for a in range(0, n, step))
         enc = native.lib.encode
 
         def piece(i: int) -> None:
             k, a, b = pieces[i]
-            tf, src, out = cpu_tf[k]
-            enc(src.numpy(), out.numpy(), tf.width, tf.block, a, b)
+            tf, src, out, pre, _u = cpu_tf[k]
+            enc(src.numpy(), out.numpy(), tf.width, tf.block, a, b, pre)
         pmap_balanced(piece, [float(b - a) * cpu_tf[k][0].width for k, a, b in pieces], TF_PIECE / 2)
     elif cpu_tf:
-        pmap_sized(lambda i: cpu_tf[i][0].encode(cpu_tf[i][1], out=cpu_tf[i][2]), [t[1].numel() for t in cpu_tf])
+        def whole(i: int) -> None:
+            tf, src, out, pre, u = cpu_tf[i]
+            tf.encode(src if pre is None else u.plan.ref.encode(src, start=u.start), out=out)
+        pmap_sized(whole, [t[1].numel() for t in cpu_tf])
     # chunk bookkeeping in whole-group numpy passes (a few numpy calls per unit cost 10-20 us
     # each: most of a GPU snapshot's host time for the 745 storages of the benchmark state)
     counts = [len(u.sizes) for u in units]
@@ -214,6 +221,22 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
         torch.cuda.current_stream().synchronize()  # the staging buffer may be reused next group
         PINNED.release(staged)
     return Encoded(tensors, src, soff, stored, raw, flags, counts)
+
+
+def _pre_step(u: Unit):
+    """The pre step of ``_bpnative.encode`` that makes a CPU unit's ``expgrid`` / ``expref``
+    residual inside its byte planes' pass (``("grid", r, c, g0)``, ``("ref", words)``), or None
+    where the unit has none or the residual is made apart (no C extension, other transforms)."""
+    ref, tf = u.plan.ref, u.plan.transform
+    if (ref is None or u.resolved or native.lib is None or type(tf) is not BytePlane or tf.rotate is not None
+            or tf.width != 4 or u.start % 4 or u.data.device.type != "cpu" or not u.data.numel()):
+        return None
+    if type(ref) is ExpGrid:
+        rr, cc = ref.cpu_terms()
+        return ("grid", rr, cc, u.start // 4)
+    if type(ref) is ExpRef and ref.factor == 1 and ref.ref is not None and ref.ref.device.type == "cpu":
+        return ("ref", ref.base_slice(u.start, u.data.numel()).numpy())
+    return None
 
 
 def pack(enc: Encoded, out: torch.Tensor, offs: np.ndarray) -> None:
