@@ -646,24 +646,25 @@ def test_states_without_float32_skip_the_adam_key_search(monkeypatch):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 9000), st.integers(1, 5000), st.integers(0, 9000), st.integers(0, 9000),
-       st.integers(0, 2**32 - 1))
-def test_encode_pre_step_equals_residual_then_planes(n, block, a, b, seed):
+@given(st.sampled_from([4, 8]), st.integers(1, 4500), st.integers(1, 5000), st.integers(0, 9000),
+       st.integers(0, 9000), st.integers(0, 2**32 - 1))
+def test_encode_pre_step_equals_residual_then_planes(width, n, block, a, b, seed):
     """``_bpnative.encode``'s pre step (expgrid's or expref's residual made word by word inside
     the planes' pass) writes the planes of the residual that ``exp_grid`` / ``exp_ref`` make
-    first, for any block and word range, and leaves the source as it was."""
+    first, for words of 4 or 8 bytes, any block and word range, and leaves the source as it was."""
     from ckptzip import native
     if native.lib is None:
         pytest.skip("the C extension is not built")
     lib = native.lib
     rng = np.random.default_rng(seed)
-    src = (rng.standard_normal(n) * 1e-3).astype(np.float32).view(np.uint8)
+    q = n * width // 4  # float32 words
+    src = (rng.standard_normal(q) * 1e-3).astype(np.float32).view(np.uint8)
     keep = src.copy()
     w0, w1 = sorted((a % (n + 1), b % (n + 1)))
     rr = rng.integers(0, 40000, 97).astype(np.int32)
     cc = rng.integers(-3000, 3000, 101).astype(np.int32)
-    g0 = int(rng.integers(0, 97 * 101 - n + 1)) if n <= 97 * 101 else None
-    ref = (rng.standard_normal(n) * 1e-2).astype(np.float32).view(np.uint8)
+    g0 = int(rng.integers(0, 97 * 101 - q + 1)) if q <= 97 * 101 else None
+    ref = (rng.standard_normal(q) * 1e-2).astype(np.float32).view(np.uint8)
     for pre in ([("grid", rr, cc, g0)] if g0 is not None else []) + [("ref", ref)]:
         res = np.empty_like(src)
         if pre[0] == "grid":
@@ -671,16 +672,16 @@ def test_encode_pre_step_equals_residual_then_planes(n, block, a, b, seed):
         else:
             lib.exp_ref(src, res, ref, -1)
         want = np.zeros_like(src)
-        lib.encode(res, want, 4, block, w0, w1)
+        lib.encode(res, want, width, block, w0, w1)
         got = np.zeros_like(src)
-        lib.encode(src, got, 4, block, w0, w1, pre)
+        lib.encode(src, got, width, block, w0, w1, pre)
         assert bytes(got) == bytes(want)
         assert bytes(src) == bytes(keep)
 
 
 def test_encode_pre_step_refused_when_it_does_not_fit():
-    """A pre step of an unknown kind, on 2- or 8-byte words, past the grid, or with a reference
-    of another length or over the destination is a ValueError (nothing written)."""
+    """A pre step of an unknown kind, on 2-byte words, past the grid, or with a reference of
+    another length or over the destination is a ValueError (nothing written)."""
     from ckptzip import native
     if native.lib is None:
         pytest.skip("the C extension is not built")

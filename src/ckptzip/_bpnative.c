@@ -322,12 +322,15 @@ static void exp_grid_run(const u32a *x, u32a *o, const i32a *rr, const i32a *cc,
                          long long n, int sign);
 static void exp_ref_run(const u32a *x, u32a *o, const u32a *f, long long n, int sign);
 
-/* encode's pre step: expgrid's residual (kind 1; a: r, b: c, int32; g0: the grid word of src's
- * first word) or expref's (kind 2; a: the reference's words beside src's) of each float32 word,
- * made in a small buffer just before the word's planes */
-typedef struct { int kind; Py_buffer a, b; long long g0; } pre_t;
+/* A step on float32 words beside the byte planes: expgrid's (kind 1; a: r, b: c, int32; g0:
+ * the grid word of the first word) or expref's (kind 2; a: the reference's words beside the
+ * words'): encode's pre step makes each word's residual just before its planes,
+ * planes_fused_many's post step undoes it on a piece's words once decoded. */
+typedef struct { int kind; Py_buffer a, b; long long g0; } step_t;
 
-static int pre_parse(PyObject *po, pre_t *p, const Py_buffer *src, const Py_buffer *dst, int w) {
+/* Parse a step (None: kind 0) for `len` bytes of words of width w, written into `out`: 0, or -1
+ * with a Python exception set. */
+static int step_parse(PyObject *po, step_t *p, Py_ssize_t len, const Py_buffer *out, int w) {
     if (po == Py_None) return 0;
     PyObject *k0 = PyTuple_Check(po) && PyTuple_GET_SIZE(po) ? PyTuple_GET_ITEM(po, 0) : NULL;
     const char *kind = k0 && PyUnicode_Check(k0) ? PyUnicode_AsUTF8(k0) : NULL;
@@ -338,42 +341,53 @@ static int pre_parse(PyObject *po, pre_t *p, const Py_buffer *src, const Py_buff
         if (!PyArg_ParseTuple(po, "sy*", &kind, &p->a)) return -1;
         p->kind = 2;
     } else {
-        PyErr_SetString(PyExc_ValueError, "encode: a pre step is (\"grid\", r, c, g0) or (\"ref\", words)");
+        PyErr_SetString(PyExc_ValueError, "a step is (\"grid\", r, c, g0) or (\"ref\", words)");
         return -1;
     }
     long long cells;
-    if (w != 4) {
-        PyErr_SetString(PyExc_ValueError, "encode: a pre step needs width 4");
+    if (w % 4) {
+        PyErr_SetString(PyExc_ValueError, "a grid or reference step needs whole float32 words");
         return -1;
     }
     if (p->kind == 1 && (p->a.len % 4 || p->b.len % 4 || p->b.len < 4 || p->g0 < 0 ||
                          __builtin_mul_overflow((long long)(p->a.len / 4), (long long)(p->b.len / 4), &cells) ||
-                         p->g0 > cells || src->len / 4 > cells - p->g0)) {
+                         p->g0 > cells || len / 4 > cells - p->g0)) {
         PyErr_SetString(PyExc_ValueError, "expgrid: words outside the grid");
         return -1;
     }
-    if (p->kind == 2 && (p->a.len != src->len || ((const char *)p->a.buf < (const char *)dst->buf + dst->len &&
-                                                  (const char *)dst->buf < (const char *)p->a.buf + p->a.len))) {
-        PyErr_SetString(PyExc_ValueError, "expref: the reference must be as long as src and apart from dst");
+    if (p->kind == 2 && (p->a.len != len || ((const char *)p->a.buf < (const char *)out->buf + out->len &&
+                                             (const char *)out->buf < (const char *)p->a.buf + p->a.len))) {
+        PyErr_SetString(PyExc_ValueError, "expref: the reference must be as long as its words and apart from the output");
         return -1;
     }
     return 0;
 }
 
+static void step_release(step_t *p) {
+    PyBuffer_Release(&p->a);
+    PyBuffer_Release(&p->b);
+}
+
+/* The step on the k float32 words x[0..k) (word index `at` of the step's words) into o (sign
+ * -1: the residual, 1: its inverse; o may be x) */
+static void step_run(const step_t *p, const u32a *x, u32a *o, long long at, long long k, int sign) {
+    if (p->kind == 1)
+        exp_grid_run(x, o, p->a.buf, p->b.buf, p->b.len / 4, p->g0 + at, k, sign);
+    else
+        exp_ref_run(x, o, (const u32a *)p->a.buf + at, k, sign);
+}
+
 #define PRE_SEG 2048
-/* enc_run of words j0..j1 of the block at word s, each word first through the pre step */
+/* enc_run of words j0..j1 (of w bytes) of the block at word s, each first through the step */
 static void enc_pre_run(const uint8_t *src, uint8_t *dst, long long s, int w, long long m, long long j0,
-                        long long j1, const pre_t *p) {
-    uint32_t tmp[PRE_SEG];
+                        long long j1, const step_t *p) {
+    uint32_t tmp[PRE_SEG * 2]; /* (PRE_SEG words of up to 8 bytes) */
+    long long q = w / 4;       /* float32 words per word */
     for (long long jj = j0; jj < j1; jj += PRE_SEG) {
-        long long je = jj + PRE_SEG < j1 ? jj + PRE_SEG : j1, k = je - jj;
-        const u32a *x = (const u32a *)src + s + jj;
-        if (p->kind == 1)
-            exp_grid_run(x, (u32a *)tmp, p->a.buf, p->b.buf, p->b.len / 4, p->g0 + s + jj, k, -1);
-        else
-            exp_ref_run(x, (u32a *)tmp, (const u32a *)p->a.buf + s + jj, k, -1);
+        long long je = jj + PRE_SEG < j1 ? jj + PRE_SEG : j1;
+        step_run(p, (const u32a *)src + (s + jj) * q, (u32a *)tmp, (s + jj) * q, (je - jj) * q, -1);
         /* (enc_run indexes the block's words from its start: tmp holds words jj..je) */
-        enc_run((const uint8_t *)((uintptr_t)tmp - (uintptr_t)(jj * 4)), dst + s * w, w, m, jj, je);
+        enc_run((const uint8_t *)((uintptr_t)tmp - (uintptr_t)(jj * w)), dst + s * w, w, m, jj, je);
     }
 }
 
@@ -383,14 +397,13 @@ static PyObject *planes(PyObject *args, int decode) {
     int w;
     long long block, w0, w1;
     PyObject *po = Py_None;
-    pre_t pre;
+    step_t pre;
     memset(&pre, 0, sizeof pre);
     if (!PyArg_ParseTuple(args, decode ? "y*w*iLLL" : "y*w*iLLL|O", &b.src, &b.dst, &w, &block, &w0, &w1, &po))
         return NULL;
-    if (check(&b, w, block, w0, w1) || pre_parse(po, &pre, &b.src, &b.dst, w)) {
+    if (check(&b, w, block, w0, w1) || step_parse(po, &pre, b.src.len, &b.dst, w)) {
         release(&b);
-        PyBuffer_Release(&pre.a);
-        PyBuffer_Release(&pre.b);
+        step_release(&pre);
         return NULL;
     }
     long long n = b.src.len / w;
@@ -406,8 +419,7 @@ static PyObject *planes(PyObject *args, int decode) {
     }
     END_MAYBE
     release(&b);
-    PyBuffer_Release(&pre.a);
-    PyBuffer_Release(&pre.b);
+    step_release(&pre);
     Py_RETURN_NONE;
 }
 
@@ -1130,12 +1142,8 @@ typedef struct {
     Py_ssize_t n, *idx, start[9];
     long long most[8];
     int coded;
-    /* planes_fused_many's post step on the piece's words, in place: 0 none, 1 expgrid (pa: r,
-     * pb: c, int32; g0: the grid word of dst's first word), 2 expref (pa: the reference's words
-     * beside dst's) */
-    int post;
-    Py_buffer pa, pb;
-    long long g0;
+    step_t post; /* planes_fused_many's post step on the piece's words, in place (kind 0: none) */
+    PyObject *post_obj;
 } fused_t;
 
 static void fused_free(fused_t *f) {
@@ -1148,8 +1156,7 @@ static void fused_free(fused_t *f) {
     PyBuffer_Release(&f->dst);
     for (int k = 0; k < 5; k++) PyBuffer_Release(&f->tb[k]);
     PyBuffer_Release(&f->xb);
-    PyBuffer_Release(&f->pa);
-    PyBuffer_Release(&f->pb);
+    step_release(&f->post);
 }
 
 /* Check a call's inputs against src (with the GIL): 0, or -1 with a Python exception set. */
@@ -1232,24 +1239,7 @@ static int fused_check(fused_t *f, const Py_buffer *src) {
     Py_ssize_t fill[8];
     for (int k = 0; k < w; k++) fill[k] = f->start[k];
     for (Py_ssize_t i = 0; i < n; i++) f->idx[fill[pl[i] & 0xFF]++] = i;
-    if (f->post) {
-        long long cells;
-        if (w % 4) {
-            PyErr_SetString(PyExc_ValueError, "planes_fused_many: a post step needs whole float32 words");
-            return -1;
-        }
-        if (f->post == 1 && (f->pa.len % 4 || f->pb.len % 4 || f->pb.len < 4 || f->g0 < 0 ||
-                             __builtin_mul_overflow((long long)(f->pa.len / 4), (long long)(f->pb.len / 4), &cells) ||
-                             f->g0 > cells || dst->len / 4 > cells - f->g0)) {
-            PyErr_SetString(PyExc_ValueError, "expgrid: words outside the grid");
-            return -1;
-        }
-        if (f->post == 2 && (f->pa.len != dst->len || ((const char *)f->pa.buf < (const char *)dst->buf + dst->len &&
-                                                       (const char *)dst->buf < (const char *)f->pa.buf + f->pa.len))) {
-            PyErr_SetString(PyExc_ValueError, "expref: the reference must be as long as dst and apart from it");
-            return -1;
-        }
-    }
+    if (f->post_obj && step_parse(f->post_obj, &f->post, dst->len, dst, w)) return -1;
     return 0;
 }
 
@@ -1312,13 +1302,9 @@ static void fused_run(const fused_t *f, const uint8_t *sb, char *msg, size_t cap
     }
     if (own_mem) free(base);
     dctx_give(dc, own_dc);
-    if (f->post && !msg[0] && !*no_memory) { /* (on the piece's words while they are in the cache) */
-        long long p0 = w0 * w / 4, cnt = (w1 - w0) * w / 4;
-        u32a *o = (u32a *)db + p0;
-        if (f->post == 1)
-            exp_grid_run(o, o, f->pa.buf, f->pb.buf, f->pb.len / 4, f->g0 + p0, cnt, 1);
-        else
-            exp_ref_run(o, o, (const u32a *)f->pa.buf + p0, cnt, 1);
+    if (f->post.kind && !msg[0] && !*no_memory) { /* (on the piece's words while they are in the cache) */
+        long long p0 = w0 * w / 4;
+        step_run(&f->post, (u32a *)db + p0, (u32a *)db + p0, p0, (w1 - w0) * w / 4, 1);
     }
 }
 
@@ -1393,22 +1379,7 @@ static PyObject *py_planes_fused_many(PyObject *self, PyObject *args) {
             got++;
             goto done;
         }
-        if (po != Py_None) { /* ("grid", r, c, g0) or ("ref", words) */
-            const char *kind = NULL;
-            PyObject *k0 = PyTuple_Check(po) && PyTuple_GET_SIZE(po) ? PyTuple_GET_ITEM(po, 0) : NULL;
-            kind = k0 && PyUnicode_Check(k0) ? PyUnicode_AsUTF8(k0) : NULL;
-            int ok = 0;
-            if (kind && !strcmp(kind, "grid"))
-                ok = PyArg_ParseTuple(po, "sy*y*L", &kind, &f->pa, &f->pb, &f->g0) && (f->post = 1);
-            else if (kind && !strcmp(kind, "ref"))
-                ok = PyArg_ParseTuple(po, "sy*", &kind, &f->pa) && (f->post = 2);
-            if (!ok) {
-                if (!PyErr_Occurred())
-                    PyErr_SetString(PyExc_ValueError, "planes_fused_many: a post step is (\"grid\", r, c, g0) or (\"ref\", words)");
-                got++;
-                goto done;
-            }
-        }
+        f->post_obj = po != Py_None ? po : NULL; /* (parsed by fused_check; the items list holds it) */
         if (fused_check(f, &src) < 0) {
             got++;
             goto done;
