@@ -730,3 +730,27 @@ def _tensors(obj, path=""):
     if isinstance(obj, (list, tuple)):
         return {k: v for i, x in enumerate(obj) for k, v in _tensors(x, f"{path}.{i}").items()}
     return {}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6000), st.integers(0, 2**32 - 1), st.sampled_from([1e-8, 1e-3, 1.0]))
+def test_top_entropy_step_equals_the_residual_tensor(n, seed, scale):
+    """The exponent predictors' choice (``cpu_choose``) takes the residual's exponent entropy
+    from ``top_entropy``'s step, without a residual tensor: exactly the value the residual tensor
+    gives, for expgrid and expref."""
+    from ckptzip import native
+    from ckptzip.engine import refplan
+    from ckptzip.transforms.refs import ExpGrid, ExpRef
+    if native.lib is None:
+        pytest.skip("the C extension is not built")
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy((rng.standard_normal(n) * scale).astype(np.float32)).view(torch.uint8)
+    rows = max(1, int(rng.integers(1, 50)))
+    cols = -(-n // rows)
+    grid = ExpGrid(rows, cols, rng.integers(0, 40000, rows).astype("<u2"), rng.integers(-3000, 3000, cols).astype("<i2"))
+    ref = ExpRef(0).bind(torch.from_numpy((rng.standard_normal(n) * scale).astype(np.float32)).view(torch.uint8))
+    for rt in (grid, ref):
+        step = refplan._residual_step(rt, x)
+        assert step is not None
+        want = refplan._exp_bits(rt.encode(x, start=0).numpy().view(np.uint32))
+        assert native.lib.top_entropy(x.numpy(), step) + 0.0 == want

@@ -24,8 +24,9 @@
  *   plane_entropy(src, bits, width, starts, run)
  *       order-0 entropy (bits per byte, float64 x width) of every byte plane of the rotated
  *       words of the runs src[starts[i]:+run] (word indices): the CPU planner's sample
- *   top_entropy(src)
- *       the same for the top plane alone of 4-byte words (the float32 exponent field), as a float
+ *   top_entropy(src[, step])
+ *       the same for the top plane alone of 4-byte words (the float32 exponent field), as a float;
+ *       with a step (see encode), of the words' expgrid / expref residual, made a buffer at a time
  *   plane_entropy_many(srcs, widths, bits, run)
  *       the same for many buffers at once, each over 4 runs spread as the planner spreads them,
  *       in one call without the GIL (a save's estimates, on a pool thread beside planning)
@@ -328,8 +329,8 @@ static void exp_ref_run(const u32a *x, u32a *o, const u32a *f, long long n, int 
  * planes_fused_many's post step undoes it on a piece's words once decoded. */
 typedef struct { int kind; Py_buffer a, b; long long g0; } step_t;
 
-/* Parse a step (None: kind 0) for `len` bytes of words of width w, written into `out`: 0, or -1
- * with a Python exception set. */
+/* Parse a step (None: kind 0) for `len` bytes of words of width w, written into `out` (NULL:
+ * nothing is written): 0, or -1 with a Python exception set. */
 static int step_parse(PyObject *po, step_t *p, Py_ssize_t len, const Py_buffer *out, int w) {
     if (po == Py_None) return 0;
     PyObject *k0 = PyTuple_Check(po) && PyTuple_GET_SIZE(po) ? PyTuple_GET_ITEM(po, 0) : NULL;
@@ -355,8 +356,8 @@ static int step_parse(PyObject *po, step_t *p, Py_ssize_t len, const Py_buffer *
         PyErr_SetString(PyExc_ValueError, "expgrid: words outside the grid");
         return -1;
     }
-    if (p->kind == 2 && (p->a.len != len || ((const char *)p->a.buf < (const char *)out->buf + out->len &&
-                                             (const char *)out->buf < (const char *)p->a.buf + p->a.len))) {
+    if (p->kind == 2 && (p->a.len != len || (out && (const char *)p->a.buf < (const char *)out->buf + out->len &&
+                                                    (const char *)out->buf < (const char *)p->a.buf + p->a.len))) {
         PyErr_SetString(PyExc_ValueError, "expref: the reference must be as long as its words and apart from the output");
         return -1;
     }
@@ -774,16 +775,43 @@ done:
     return ret;
 }
 
-/* top_entropy(src): the order-0 entropy (bits) of the top byte plane of the rotated 4-byte words
- * of src (the float32 exponent field, bits 23..30): what engine.refplan's exponent predictors are
- * chosen by, a histogram of one plane where plane_entropy makes four. */
+/* top_entropy(src[, step]): the order-0 entropy (bits) of the top byte plane of the rotated
+ * 4-byte words of src (the float32 exponent field, bits 23..30): what engine.refplan's exponent
+ * predictors are chosen by, a histogram of one plane where plane_entropy makes four. With a step,
+ * of the words' expgrid / expref residual (the step's word 0 is src's first word), made in a
+ * small buffer: the candidate's sample needs no residual tensor. */
 static PyObject *py_top_entropy(PyObject *self, PyObject *args) {
     Py_buffer src = {0};
+    PyObject *po = Py_None;
+    step_t step;
+    memset(&step, 0, sizeof step);
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*", &src)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*|O", &src, &po)) return NULL;
+    if (step_parse(po, &step, src.len / 4 * 4, NULL, 4)) {
+        PyBuffer_Release(&src);
+        step_release(&step);
+        return NULL;
+    }
     long long n = src.len / 4;
     double e = 0;
-    {
+    if (step.kind) { /* the words' residual through the step, a buffer at a time, then its histogram */
+        const u32a *x = src.buf;
+        BEGIN_MAYBE(src.len)
+        uint32_t tmp[PRE_SEG];
+        int64_t h[256] = {0};
+        for (long long j0 = 0; j0 < n; j0 += PRE_SEG) {
+            long long k = n - j0 < PRE_SEG ? n - j0 : PRE_SEG;
+            step_run(&step, x + j0, (u32a *)tmp, j0, k, -1);
+            for (long long j = 0; j < k; j++) h[(tmp[j] >> 23) & 0xFF]++;
+        }
+        double sum = 0;
+        for (int v = 0; v < 256; v++) {
+            int64_t c = h[v];
+            if (c) sum += c < CLOG_N ? clog_tab[c] : (double)c * log2((double)c);
+        }
+        e = n > 0 ? log2((double)n) - sum / (double)n : 0;
+        END_MAYBE
+    } else {
         const uint8_t *b = src.buf;
         BEGIN_MAYBE(src.len)
         uint32_t q[4][256];
@@ -808,6 +836,7 @@ static PyObject *py_top_entropy(PyObject *self, PyObject *args) {
         END_MAYBE
     }
     PyBuffer_Release(&src);
+    step_release(&step);
     return PyFloat_FromDouble(e > 0 ? e : 0.0);
 }
 
@@ -1720,7 +1749,8 @@ static PyMethodDef methods[] = {
     {"plane_entropy", py_plane_entropy, METH_VARARGS,
      "plane_entropy(src, bits, width, starts, run): order-0 entropy of each byte plane of a sample"},
     {"top_entropy", py_top_entropy, METH_VARARGS,
-     "top_entropy(src): order-0 entropy of the top byte plane of the rotated 4-byte words of src"},
+     "top_entropy(src[, step]): order-0 entropy of the top byte plane of the rotated 4-byte words of src "
+     "(of their expgrid / expref residual with a step)"},
     {"plane_entropy_many", py_plane_entropy_many, METH_VARARGS,
      "plane_entropy_many(srcs, widths, bits, run): plane_entropy of many buffers' 4 spread runs, in one call"},
     {"copy_segments", py_copy_segments, METH_VARARGS,
@@ -1761,7 +1791,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bpnative",
                                     NULL, NULL, NULL, NULL};
 
 /* what ckptzip.native checks: a build of another version of this file is not used */
-#define BPNATIVE_API 16
+#define BPNATIVE_API 17
 
 PyMODINIT_FUNC PyInit__bpnative(void) {
     for (int c = 1; c < CLOG_N; c++) clog_tab[c] = (double)c * log2((double)c);

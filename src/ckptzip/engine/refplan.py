@@ -350,6 +350,19 @@ def _exp_bits(words: np.ndarray) -> float:
     return float(-(q * np.log2(q)).sum()) + 0.0  # not -0.0
 
 
+def _residual_step(rt: RefTransform, x: torch.Tensor):
+    """``top_entropy``'s step for the residual of ``rt`` over the CPU words ``x`` (a storage's
+    first bytes), or None where the residual is made as a tensor (no C extension, elsewhere)."""
+    if native.lib is None or x.device.type != "cpu" or not x.is_contiguous():
+        return None
+    if type(rt) is ExpGrid:
+        rr, cc = rt.cpu_terms()
+        return ("grid", rr, cc, 0)
+    if type(rt) is ExpRef and rt.factor == 1 and rt.ref is not None and rt.ref.device.type == "cpu":
+        return ("ref", rt.base_slice(0, x.numel()).numpy())
+    return None
+
+
 def cpu_choose(plan: Plan, ref: StorageRef, rt: RefTransform, sample: int) -> Plan:
     """On the CPU, keep an exponent predictor (``expref``, ``expgrid``) where it lowers the
     order-0 entropy of the exponents of the storage's first ``sample`` bytes by its margin (a
@@ -360,7 +373,11 @@ def cpu_choose(plan: Plan, ref: StorageRef, rt: RefTransform, sample: int) -> Pl
         return plan
     x = ref.data[:n]
     h0 = _exp_bits(x.cpu().numpy().view(np.uint32))
-    h1 = _exp_bits(rt.encode(x, start=0).cpu().numpy().view(np.uint32))
+    step = _residual_step(rt, x)
+    if step is not None:  # (the residual's histogram in one C pass, no residual tensor)
+        h1 = native.lib.top_entropy(x.numpy(), step) + 0.0
+    else:
+        h1 = _exp_bits(rt.encode(x, start=0).cpu().numpy().view(np.uint32))
     if (h0 - h1) / 32 >= getattr(rt, "margin", REF_MARGIN):
         return Plan(plan.transform, plan.codec, plan.chunk_size, raw_planes=plan.raw_planes, ref=rt,
                     choice=f"{rt.wire_id}: exponent {h1:.2f} vs {h0:.2f} bits (sample)")
