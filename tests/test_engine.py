@@ -701,6 +701,27 @@ def test_fused_queue_decodes_every_piece_once_across_threads(cases, threads, see
         assert bytes(d) == words.view(np.uint8).tobytes()
 
 
+def test_fused_planes_verify_every_chunk_they_read():
+    """A word range that starts inside a chunk (callers cut where every plane's chunks start,
+    but the C code does not rely on it) verifies that chunk too: a damaged one is reported, not
+    decoded."""
+    from ckptzip import native
+    from ckptzip.format import checksum
+    lib = _fused_lib()
+    if not native.XXH3:
+        pytest.skip("XXH3 is not available to the C extension")
+    words, src, rows, soffs = _fused_case(9, 4, 4096, 4096, 1024, 0.5)
+    t = _fused_table(rows, BytePlane(4, 4096), 4 * 4096)
+    t = [*t[:3], soffs, t[3]]
+    sums = np.array([checksum(memoryview(src)[o:o + n]) for o, n in zip(soffs.tolist(), t[4].tolist())], dtype=np.uint64)
+    bad = src.copy()
+    bad[soffs[0]] ^= 1  # plane 0's first chunk: words 0..1023
+    dst = np.zeros(4 * 4096, np.uint8)
+    assert lib.planes_fused(bad, dst, 4, *t, 512, 4096, sums) == (0, "checksum")
+    assert not dst.any()
+    assert lib.planes_fused(bad, dst, 4, *t, 1024, 4096, sums) is None
+
+
 def test_fused_queue_refuses_bad_input_before_decoding():
     """Every item of a queue is checked before any is decoded (a bad table in the last item, an
     order that is not a permutation, an item that is not a tuple: nothing written); a damaged
@@ -722,11 +743,29 @@ def test_fused_queue_refuses_bad_input_before_decoding():
     for o in (np.array([0, 1, 3], np.int64), np.array([0, 1], np.int64), np.array([0, -1, 2], np.int64)):
         with pytest.raises(ValueError):
             lib.planes_fused_many(src, items, o, np.zeros(2, np.int64))
+    for o in (np.array([0, 0, 2], np.int64), np.array([2, 2, 2], np.int64)):  # (not a permutation)
+        with pytest.raises(ValueError):
+            lib.planes_fused_many(src, items, o, np.zeros(2, np.int64))
     with pytest.raises(ValueError):
         lib.planes_fused_many(src, items, order, np.zeros(1, np.int64))
+    with pytest.raises(ValueError):  # (the shared counter must start at a position, not before)
+        lib.planes_fused_many(src, items, order, np.array([-1, 0], np.int64))
     with pytest.raises(TypeError):
         lib.planes_fused_many(src, [items[0], list(items[1]), items[2]], order, np.zeros(2, np.int64))
     assert not any(d.any() for d in dsts)
+    # items parsed from a snapshot: Python code run while parsing (a width's __index__) may
+    # change the caller's list without the parse reading freed items
+    mutable = list(items)
+
+    class Width:
+        def __index__(self):
+            mutable.clear()
+            return 4
+    mutable[0] = (items[0][0], Width(), *items[0][2:])
+    assert lib.planes_fused_many(src, mutable, order, np.zeros(2, np.int64)) is None
+    for d, (words, _w, _t) in zip(dsts, pieces):
+        assert bytes(d) == words.view(np.uint8).tobytes()
+        d[:] = 0
     if not native.XXH3:
         return
     sums = [np.array([checksum(memoryview(src)[o:o + n]) for o, n in zip(t[3].tolist(), t[4].tolist())],
@@ -782,6 +821,31 @@ def test_fused_queue_post_steps_equal_the_python_inverses():
         lib.planes_fused_many(src2, [(np.zeros(800, np.uint8), 2, *t2, 0, 400, None, ("ref", np.zeros(800, np.uint8)))],
                               np.zeros(1, np.int64), np.zeros(2, np.int64))
     assert not dst.any()
+
+
+@pytest.mark.parametrize("via", ["path", "bytesio"])
+def test_damaged_fused_chunk_reported_before_a_forged_small_one(tmp_path, via):
+    """A group whose fused pieces hold a damaged chunk and whose small storages hold a forged
+    frame (checksum recomputed) reports the ChecksumError, as when the small storages were
+    decoded after the pieces (now they are decoded beside them)."""
+    import io
+    from conftest import read_parts, write_parts
+    from ckptzip import format as fmt
+    g = torch.Generator().manual_seed(0)
+    st = {"big": torch.randn(1 << 20, generator=g) * 1e-3, "small": torch.randn(8000, generator=g) * 1e-3}
+    p = tmp_path / "p.ckz"
+    ckptzip.save(st, p, device="cpu", chunk_size=1 << 16)
+    data, doc, rows = read_parts(p)
+    d = bytearray(data)
+    d[int(rows[0]["offset"]) + 3] ^= 0xFF  # the big storage's first chunk, checksum left
+    k = int(np.nonzero(rows["flags"] != fmt.FLAG_STORED_RAW)[0][-1])  # the small storage's frame
+    o, n = int(rows[k]["offset"]), int(rows[k]["stored"])
+    d[o + 4:o + n] = bytes(n - 4)
+    rows[k]["xxh3"] = fmt.checksum(bytes(d[o:o + n]))
+    q = tmp_path / "q.ckz"
+    write_parts(q, bytes(d), doc, rows)
+    with pytest.raises(ckptzip.ChecksumError):
+        ckptzip.load(io.BytesIO(q.read_bytes()) if via == "bytesio" else q)
 
 
 @pytest.mark.parametrize("queue", [True, False])
@@ -1376,8 +1440,8 @@ def test_every_fused_chunk_is_verified_before_it_is_decoded(tmp_path, monkeypatc
         with lock:
             for i in np.nonzero(hit)[0].tolist():
                 got = checksum(memoryview(s)[so[i]:so[i] + ss[i]])
-                if xxh is not None:  # verified by the call itself: the chunks whose words start in w0..w1
-                    assert w0 <= ws[i] < w1 and int(xxh[i]) == got, "a chunk decoded unverified"
+                if xxh is not None:  # verified by the call itself: every chunk it reads
+                    assert int(xxh[i]) == got, "a chunk decoded unverified"
                 else:
                     assert got in verified, "a chunk decoded before its checksum"
             calls.append(w0)

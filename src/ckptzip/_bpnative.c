@@ -46,7 +46,7 @@
  *       words w0..w1 of dst from their byte planes' chunks in src, stored ones read in place,
  *       zstd ones decoded into a chunk-sized scratch per plane, in one pass over dst (the
  *       byteplane decode fused with the codec; see the function); with xxh3 (uint64 per
- *       chunk), the chunks whose words start in w0..w1 are verified first
+ *       chunk), the chunks holding words w0..w1 are verified first
  *
  *   planes_fused_many(src, items, order, counter)
  *       many planes_fused calls (items: tuples of its other arguments) taken in `order` from a
@@ -387,8 +387,8 @@ static void enc_pre_run(const uint8_t *src, uint8_t *dst, long long s, int w, lo
     for (long long jj = j0; jj < j1; jj += PRE_SEG) {
         long long je = jj + PRE_SEG < j1 ? jj + PRE_SEG : j1;
         step_run(p, (const u32a *)src + (s + jj) * q, (u32a *)tmp, (s + jj) * q, (je - jj) * q, -1);
-        /* (enc_run indexes the block's words from its start: tmp holds words jj..je) */
-        enc_run((const uint8_t *)((uintptr_t)tmp - (uintptr_t)(jj * w)), dst + s * w, w, m, jj, je);
+        /* (tmp holds words jj..je: as words 0..je-jj of a block whose planes start jj bytes on) */
+        enc_run((const uint8_t *)tmp, dst + s * w + jj, w, m, 0, je - jj);
     }
 }
 
@@ -1136,7 +1136,7 @@ static PyObject *py_xxh3_many(PyObject *self, PyObject *args) {
     }
     {
         const uint8_t *s = buf->buf;
-        uint64_t *o = out->buf;
+        u64a *o = out->buf;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++) o[i] = xxh3_64(s + t[i], (size_t)t[n + i]);
         Py_END_ALLOW_THREADS
@@ -1155,9 +1155,9 @@ done:
  * into a scratch buffer of its plane (at most FUSED_MAX_CHUNK bytes, so cache-sized for the
  * writer's chunks) just before its words are assembled. Every plane's chunks must cover
  * 0..len(dst)/width in table order, without gaps or overlaps. With xxh3 (a uint64 per chunk, the
- * chunk table's checksums) every chunk whose words start in w0..w1 (those this call decodes
- * first: callers cut pieces where every plane's chunks start) is verified before anything is
- * decoded. Returns None, or (index, message) of the first chunk that failed (message
+ * chunk table's checksums) every chunk holding any of the words w0..w1 (those this call reads;
+ * callers cut pieces where every plane's chunks start, so each chunk is verified once) is
+ * verified before anything is decoded. Returns None, or (index, message) of the first chunk that failed (message
  * "checksum" for a chunk whose XXH3 differs); src and dst must not overlap. */
 #define FUSED_MAX_CHUNK (16LL << 20)
 
@@ -1214,7 +1214,7 @@ static int fused_check(fused_t *f, const Py_buffer *src) {
     if (!(f->t = copy_tables(f->tb, 5, &f->n))) return -1;
     Py_ssize_t n = f->n;
     const int64_t *pl = f->t, *ws = f->t + n, *wn = f->t + 2 * n, *so = f->t + 3 * n, *ss = f->t + 4 * n;
-    if (f->xb.buf) { /* (a private copy, as the tables) */
+    if (f->xb.obj) { /* (a private copy, as the tables) */
         if (f->xb.len != n * 8) {
             PyErr_SetString(PyExc_ValueError, "planes_fused: xxh3 must hold one uint64 per chunk");
             return -1;
@@ -1282,8 +1282,8 @@ static void fused_run(const fused_t *f, const uint8_t *sb, char *msg, size_t cap
     const int64_t *pl = f->t, *ws = f->t + n, *wn = f->t + 2 * n, *so = f->t + 3 * n, *ss = f->t + 4 * n;
     const Py_ssize_t *idx = f->idx;
     uint8_t *db = f->dst.buf;
-    for (Py_ssize_t i = 0; f->want && i < n && !msg[0]; i++) {
-        if (ws[i] >= w0 && ws[i] < w1 && xxh3_64(sb + so[i], (size_t)ss[i]) != f->want[i]) {
+    for (Py_ssize_t i = 0; f->want && i < n && !msg[0]; i++) { /* (every chunk the range reads) */
+        if (ws[i] < w1 && ws[i] + wn[i] > w0 && xxh3_64(sb + so[i], (size_t)ss[i]) != f->want[i]) {
             *bad = i;
             snprintf(msg, cap, "checksum");
         }
@@ -1373,31 +1373,39 @@ static PyObject *py_planes_fused(PyObject *self, PyObject *args) {
  * the other threads stop taking items. */
 static PyObject *py_planes_fused_many(PyObject *self, PyObject *args) {
     Py_buffer src = {0}, ob = {0}, cb = {0};
-    PyObject *items, *ret = NULL;
+    PyObject *list, *items = NULL, *ret = NULL;
+    int64_t *order = NULL;
+    char *seen = NULL;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*O!y*w*", &src, &PyList_Type, &items, &ob, &cb)) return NULL;
-    Py_ssize_t m = PyList_GET_SIZE(items), got = 0;
-    fused_t *fs = PyMem_Calloc((size_t)m + 1, sizeof(fused_t));
-    if (!fs) {
+    if (!PyArg_ParseTuple(args, "y*O!y*w*", &src, &PyList_Type, &list, &ob, &cb)) return NULL;
+    /* (a tuple of the items: parsing them runs Python code that could change the list) */
+    Py_ssize_t m = 0, got = 0;
+    fused_t *fs = NULL;
+    if (!(items = PySequence_Tuple(list))) goto done;
+    m = PyTuple_GET_SIZE(items);
+    fs = PyMem_Calloc((size_t)m + 1, sizeof(fused_t));
+    order = PyMem_Malloc((size_t)m * 8 + 8);
+    seen = PyMem_Calloc((size_t)m + 1, 1);
+    if (!fs || !order || !seen) {
         PyErr_NoMemory();
         goto done;
     }
-    if (ob.len != m * 8 || cb.len < 16 || ((uintptr_t)cb.buf % 8)) {
-        PyErr_SetString(PyExc_ValueError, "planes_fused_many: order must hold one int64 per item, counter two");
+    if (ob.len != m * 8 || cb.len < 16 || ((uintptr_t)cb.buf % 8) || ((const int64_t *)cb.buf)[0] < 0) {
+        PyErr_SetString(PyExc_ValueError, "planes_fused_many: order must hold one int64 per item, counter two "
+                                          "(the first not negative)");
         goto done;
     }
-    {
-        const int64_t *order = ob.buf;
-        for (Py_ssize_t j = 0; j < m; j++) {
-            if (order[j] < 0 || order[j] >= m) {
-                PyErr_SetString(PyExc_ValueError, "planes_fused_many: order is not a permutation of the items");
-                goto done;
-            }
+    memcpy(order, ob.buf, (size_t)ob.len); /* (what is checked is what is used) */
+    for (Py_ssize_t j = 0; j < m; j++) {
+        if (order[j] < 0 || order[j] >= m || seen[order[j]]) {
+            PyErr_SetString(PyExc_ValueError, "planes_fused_many: order is not a permutation of the items");
+            goto done;
         }
+        seen[order[j]] = 1;
     }
     for (; got < m; got++) {
         fused_t *f = &fs[got];
-        PyObject *it = PyList_GET_ITEM(items, got), *xo = Py_None, *po = Py_None;
+        PyObject *it = PyTuple_GET_ITEM(items, got), *xo = Py_None, *po = Py_None;
         if (!PyTuple_Check(it) || !PyArg_ParseTuple(it, "w*iy*y*y*y*y*LLO|O", &f->dst, &f->w, &f->tb[0], &f->tb[1],
                                                     &f->tb[2], &f->tb[3], &f->tb[4], &f->w0, &f->w1, &xo, &po)) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "planes_fused_many: items must be tuples");
@@ -1408,7 +1416,7 @@ static PyObject *py_planes_fused_many(PyObject *self, PyObject *args) {
             got++;
             goto done;
         }
-        f->post_obj = po != Py_None ? po : NULL; /* (parsed by fused_check; the items list holds it) */
+        f->post_obj = po != Py_None ? po : NULL; /* (parsed by fused_check; the items tuple holds it) */
         if (fused_check(f, &src) < 0) {
             got++;
             goto done;
@@ -1418,14 +1426,13 @@ static PyObject *py_planes_fused_many(PyObject *self, PyObject *args) {
         char msg[200] = {0};
         Py_ssize_t bad = -1, which = -1;
         int no_memory = 0;
-        const int64_t *order = ob.buf;
         int64_t *counter = cb.buf;
         const uint8_t *sb = src.buf;
         Py_BEGIN_ALLOW_THREADS
         for (;;) {
             if (__atomic_load_n(&counter[1], __ATOMIC_ACQUIRE)) break;
             int64_t j = __atomic_fetch_add(&counter[0], 1, __ATOMIC_ACQ_REL);
-            if (j >= m) break;
+            if (j < 0 || j >= m) break; /* (the caller's counter: never trusted as an index) */
             which = (Py_ssize_t)order[j];
             fused_run(&fs[which], sb, msg, sizeof msg, &bad, &no_memory);
             if (msg[0] || no_memory) {
@@ -1448,6 +1455,9 @@ done:
         for (Py_ssize_t j = 0; j < got; j++) fused_free(&fs[j]);
         PyMem_Free(fs);
     }
+    PyMem_Free(order);
+    PyMem_Free(seen);
+    Py_XDECREF(items);
     PyBuffer_Release(&src);
     PyBuffer_Release(&ob);
     PyBuffer_Release(&cb);

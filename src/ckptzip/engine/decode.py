@@ -441,13 +441,20 @@ def decode_group(src: torch.Tensor, soffs: list[int], rows: np.ndarray, grp: lis
         _decode_rest(src, soffs, rows, grp, work, tk, pre, plan)
         return
 
+    later: list[BaseException] = []
+
     def mine() -> None:
         # the other batches (small storages: all their steps run inline) on this thread
         # while the pool's threads start on the fused pieces
         if first is not None:
             first()
-        _decode_rest(src, soffs, rows, grp, work, tk, pre, plan)
+        try:
+            _decode_rest(src, soffs, rows, grp, work, tk, pre, plan)
+        except BaseException as e:  # (after the pieces' errors, as when they ran first)
+            later.append(e)
     _decode_fused(src, soffs, plan, rows, mine)
+    if later:
+        raise later[0]
 
 
 def _decode_rest(src: torch.Tensor, soffs: np.ndarray, rows: np.ndarray, grp: list, work: str, tk,
@@ -705,8 +712,8 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: n
     def one(k: int) -> None:
         (job, a, b, r0, t), w0, w1 = work[k]
         *args, xxh = call(k)
-        if sums is None and plan.verify:  # (this piece's chunks: those whose words start in w0..w1)
-            mine = np.nonzero((t[1] >= w0) & (t[1] < w1))[0] if w0 or w1 < (b - a) // job.tf.width else slice(None)
+        if sums is None and plan.verify:  # (this piece's chunks: those holding words w0..w1)
+            mine = np.nonzero((t[1] < w1) & (t[1] + t[2] > w0))[0] if w0 or w1 < (b - a) // job.tf.width else slice(None)
             verify(s, args[5][mine], rows[r0:r0 + len(t[0])][mine])
         try:
             err = native.lib.planes_fused(s, *args, *(() if xxh is None else (xxh,)))
