@@ -794,37 +794,30 @@ static PyObject *py_top_entropy(PyObject *self, PyObject *args) {
     }
     long long n = src.len / 4;
     double e = 0;
-    if (step.kind) { /* the words' residual through the step, a buffer at a time, then its histogram */
-        const u32a *x = src.buf;
+    {
         BEGIN_MAYBE(src.len)
-        uint32_t tmp[PRE_SEG];
         int64_t h[256] = {0};
-        for (long long j0 = 0; j0 < n; j0 += PRE_SEG) {
-            long long k = n - j0 < PRE_SEG ? n - j0 : PRE_SEG;
-            step_run(&step, x + j0, (u32a *)tmp, j0, k, -1);
-            for (long long j = 0; j < k; j++) h[(tmp[j] >> 23) & 0xFF]++;
-        }
-        double sum = 0;
-        for (int v = 0; v < 256; v++) {
-            int64_t c = h[v];
-            if (c) sum += c < CLOG_N ? clog_tab[c] : (double)c * log2((double)c);
-        }
-        e = n > 0 ? log2((double)n) - sum / (double)n : 0;
-        END_MAYBE
-    } else {
-        const uint8_t *b = src.buf;
-        BEGIN_MAYBE(src.len)
-        uint32_t q[4][256];
-        int64_t h[256] = {0};
-        memset(q, 0, sizeof q);
-        for (long long j0 = 0; j0 < n; j0 += HIST_FLUSH) {
-            long long j1 = n - j0 < HIST_FLUSH ? n : j0 + HIST_FLUSH, j = j0;
-            for (; j + 4 <= j1; j += 4)
-                for (int u = 0; u < 4; u++) q[u][(b[4 * (j + u) + 3] << 1 | b[4 * (j + u) + 2] >> 7) & 0xFF]++;
-            for (; j < j1; j++) q[0][(b[4 * j + 3] << 1 | b[4 * j + 2] >> 7) & 0xFF]++;
-            for (int u = 0; u < 4; u++) {
-                for (int v = 0; v < 256; v++) h[v] += q[u][v];
-                memset(q[u], 0, sizeof q[u]);
+        if (step.kind) { /* the words' residual through the step, a buffer at a time, then counted */
+            const u32a *x = src.buf;
+            uint32_t tmp[PRE_SEG];
+            for (long long j0 = 0; j0 < n; j0 += PRE_SEG) {
+                long long k = n - j0 < PRE_SEG ? n - j0 : PRE_SEG;
+                step_run(&step, x + j0, (u32a *)tmp, j0, k, -1);
+                for (long long j = 0; j < k; j++) h[(tmp[j] >> 23) & 0xFF]++;
+            }
+        } else {
+            const uint8_t *b = src.buf;
+            uint32_t q[4][256];
+            memset(q, 0, sizeof q);
+            for (long long j0 = 0; j0 < n; j0 += HIST_FLUSH) {
+                long long j1 = n - j0 < HIST_FLUSH ? n : j0 + HIST_FLUSH, j = j0;
+                for (; j + 4 <= j1; j += 4)
+                    for (int u = 0; u < 4; u++) q[u][(b[4 * (j + u) + 3] << 1 | b[4 * (j + u) + 2] >> 7) & 0xFF]++;
+                for (; j < j1; j++) q[0][(b[4 * j + 3] << 1 | b[4 * j + 2] >> 7) & 0xFF]++;
+                for (int u = 0; u < 4; u++) {
+                    for (int v = 0; v < 256; v++) h[v] += q[u][v];
+                    memset(q[u], 0, sizeof q[u]);
+                }
             }
         }
         double sum = 0;
