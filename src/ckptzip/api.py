@@ -218,10 +218,18 @@ class CheckpointReader:
         size = self._fd.size if self._remote else os.fstat(self._fd).st_size
         raw, off, digest = read_manifest(self._fd, size)
         self.manifest = parse_manifest(bytes(raw), digest, off)
-        self.manifest_sha256 = manifest_sha256(raw)
+        self._manifest_raw = raw  # (its SHA-256, for base records, made when asked: manifest_sha256)
+        self._manifest_sha256: str | None = None
         self.file_size = size
         self._paths: dict[str, Any] | None = None
         self._escaped: dict[str, Any] = {}
+
+    @property
+    def manifest_sha256(self) -> str:
+        """The SHA-256 (hex) of the manifest's bytes, as base records hold it (format 1.1)."""
+        if self._manifest_sha256 is None:
+            self._manifest_sha256 = manifest_sha256(self._manifest_raw)
+        return self._manifest_sha256
 
     @property
     def max_bytes(self) -> int:

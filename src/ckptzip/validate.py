@@ -215,12 +215,10 @@ def _chain_key(codec: dict, tfs: list) -> Any:
     """A key equal for equal codec and transform configs: their items as tuples where every value
     is a str or an int (what ckptzip writes), else their repr (which never equals such a tuple)."""
     try:
-        if len(tfs) == 1 and type(tfs[0]) is dict:
-            key = (tuple(codec.items()), tuple(tfs[0].items()))
-        elif not tfs:
-            key = (tuple(codec.items()),)
-        else:
+        if not all(type(t) is dict for t in tfs):
             raise TypeError
+        # (chains of any length: a repr of expgrid's base64 terms cost more than its parse)
+        key = (tuple(codec.items()), *(tuple(t.items()) for t in tfs))
         hash(key)  # (a list or dict value: TypeError)
         for part in key:
             for _k, v in part:
