@@ -25,7 +25,7 @@ from ..storage import split_ranges
 from ..kernels import PARTIAL, PARTIAL16, enabled, launch, triton_kernels
 from ..transforms import RefTransform, Transform, get_transform
 from ..transforms.byteplane import BytePlane, PlaneSubset, np_decode_onto
-from ..transforms.refs import Delta, ExpGrid, ExpRef, fused_planes, multi_segment, planes_after_ref
+from ..transforms.refs import Delta, fused_planes, multi_segment, planes_after_ref
 from .memory import ALIGN, HOST, PINNED, copy_segments, empty_bytes
 from .plan import DEFAULT_WINDOW, codec_key
 
@@ -730,18 +730,17 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: n
     # transform or with one C undoes (expgrid, expref), go to one shared queue in C: each thread
     # takes pieces from it in one call without the GIL (no handover per piece, while the calling
     # thread runs ``first``'s Python)
-    posts = [_queue_post(it[0], it[1], it[2]) for it, _w0, _w1 in work] if QUEUE_PIECES else []
-    queued = ([k for k, post in enumerate(posts) if post is not False]
+    posts = {id(it): _queue_post(it[0], it[1], it[2]) for it in plan.items} if QUEUE_PIECES else {}
+    queued = ([k for k, (it, _w0, _w1) in enumerate(work) if posts[id(it)] is not False]
               if QUEUE_PIECES and (sums is not None or not plan.verify) else [])
     if len(queued) < 2:
         pmap_balanced(one, costs, PIECE_MIN, first)
         return
     is_queued = set(queued)
     rest = [k for k in range(len(work)) if k not in is_queued]
-    items = [(*call(k), posts[k]) for k in queued]
+    items = [(*call(k), posts[id(work[k][0])]) for k in queued]
     order = np.argsort(-np.asarray([costs[k] for k in queued]), kind="stable").astype(np.int64)
     counter = np.zeros(2, dtype=np.int64)
-    threads = cpu_threads()
 
     def take(j: int) -> None:
         if j >= len(rest):  # (one of the queue's takers: every thread runs one)
@@ -753,26 +752,18 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: n
                 failed(queued[err[0]], err[1:])
             return
         one(rest[j])
-    total = sum(costs[k] for k in queued)
-    pmap_balanced(take, [costs[k] for k in rest] + [total] * threads, PIECE_MIN, first)
+    queue_cost = sum(costs[k] for k in queued)
+    pmap_balanced(take, [costs[k] for k in rest] + [queue_cost] * threads, PIECE_MIN, first)
 
 
 def _queue_post(job: Job, a: int, b: int):
-    """A fused batch's reference step for ``planes_fused_many`` (``("grid", r, c, g0)`` or
-    ``("ref", words)``, applied by C to each piece once decoded), None where it has none, or
-    False where C has no such step (the piece is decoded by its own call, then the step in
-    Python)."""
-    ref = job.ref
-    if ref is None:
+    """A fused batch's reference step for ``planes_fused_many`` (:meth:`RefTransform.c_step`,
+    applied by C to each piece once decoded), None where it has none, or False where C has no
+    such step (the piece is decoded by its own call, then the step in Python)."""
+    if job.ref is None:
         return None
-    if a % 4 or ref.ref is None and type(ref) is not ExpGrid:
-        return False
-    if type(ref) is ExpGrid:
-        rr, cc = ref.cpu_terms()
-        return ("grid", rr, cc, a // 4)
-    if type(ref) is ExpRef and ref.factor == 1 and ref.ref.device.type == "cpu":
-        return ("ref", ref.base_slice(a, b - a).numpy())
-    return False
+    step = job.ref.c_step(a, b - a)
+    return False if step is None else step
 
 
 def _piece_cost(item, w0: int, w1: int) -> float:

@@ -15,7 +15,7 @@ from ..format import FLAG_STORED_RAW, ROW
 from ..kernels import enabled, launch, triton_kernels
 from ..transforms import Transform
 from ..transforms.byteplane import BytePlane
-from ..transforms.refs import ExpGrid, ExpRef, fused_planes, multi_segment
+from ..transforms.refs import fused_planes, multi_segment
 from .memory import HOST, PINNED, ceil_align, copy_segments
 from .plan import Unit, codec_key
 
@@ -225,18 +225,13 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
 
 def _pre_step(u: Unit):
     """The pre step of ``_bpnative.encode`` that makes a CPU unit's ``expgrid`` / ``expref``
-    residual inside its byte planes' pass (``("grid", r, c, g0)``, ``("ref", words)``), or None
-    where the unit has none or the residual is made apart (no C extension, other transforms)."""
+    residual inside its byte planes' pass (:meth:`RefTransform.c_step`), or None where the unit
+    has none or the residual is made apart (no C extension, other transforms)."""
     ref, tf = u.plan.ref, u.plan.transform
     if (ref is None or u.resolved or native.lib is None or type(tf) is not BytePlane or tf.rotate is not None
-            or tf.width != 4 or u.start % 4 or u.data.device.type != "cpu" or not u.data.numel()):
+            or tf.width != 4 or u.data.device.type != "cpu" or not u.data.numel()):
         return None
-    if type(ref) is ExpGrid:
-        rr, cc = ref.cpu_terms()
-        return ("grid", rr, cc, u.start // 4)
-    if type(ref) is ExpRef and ref.factor == 1 and ref.ref is not None and ref.ref.device.type == "cpu":
-        return ("ref", ref.base_slice(u.start, u.data.numel()).numpy())
-    return None
+    return ref.c_step(u.start, u.data.numel())
 
 
 def pack(enc: Encoded, out: torch.Tensor, offs: np.ndarray) -> None:

@@ -352,15 +352,11 @@ def _exp_bits(words: np.ndarray) -> float:
 
 def _residual_step(rt: RefTransform, x: torch.Tensor):
     """``top_entropy``'s step for the residual of ``rt`` over the CPU words ``x`` (a storage's
-    first bytes), or None where the residual is made as a tensor (no C extension, elsewhere)."""
+    first bytes: :meth:`RefTransform.c_step`), or None where the residual is made as a tensor
+    (no C extension, elsewhere)."""
     if native.lib is None or x.device.type != "cpu" or not x.is_contiguous():
         return None
-    if type(rt) is ExpGrid:
-        rr, cc = rt.cpu_terms()
-        return ("grid", rr, cc, 0)
-    if type(rt) is ExpRef and rt.factor == 1 and rt.ref is not None and rt.ref.device.type == "cpu":
-        return ("ref", rt.base_slice(0, x.numel()).numpy())
-    return None
+    return rt.c_step(0, x.numel())
 
 
 def cpu_choose(plan: Plan, ref: StorageRef, rt: RefTransform, sample: int) -> Plan:

@@ -138,6 +138,13 @@ class RefTransform(Transform):
         of the reference storage."""
         return self._slice(start, n)
 
+    def c_step(self, start: int, n: int) -> tuple | None:
+        """This transform over bytes ``start:start+n`` of its storage as a step of the C
+        extension (``_bpnative``'s ``encode`` pre step, ``planes_fused_many`` post step,
+        ``top_entropy`` step: ``("grid", r, c, g0)`` or ``("ref", words)``), or None where C has
+        no such step (the caller then applies the transform in Python)."""
+        return None
+
     def _slice(self, start: int, n: int) -> torch.Tensor:
         if self.ref is None:
             raise RuntimeError(f"{self.wire_id}: transform used before bind()")
@@ -486,6 +493,11 @@ class ExpRef(_ExpPredictor):
     def accepts(self, nbytes: int) -> bool:
         return nbytes % 4 == 0
 
+    def c_step(self, start: int, n: int) -> tuple | None:
+        if start % 4 or self.factor != 1 or self.ref is None or self.ref.device.type != "cpu":
+            return None
+        return ("ref", self.base_slice(start, n).numpy())
+
     def _apply(self, src: torch.Tensor, out: torch.Tensor, start: int, sign: int) -> None:
         """``out`` = ``src`` with its half-shifted exponent field plus ``sign`` x the prediction."""
         if start % 4 or src.numel() % 4:
@@ -708,6 +720,11 @@ class ExpGrid(_ExpPredictor):
         if "np" not in self._dev:
             self._dev["np"] = (self.r.astype(np.int32), self.c.astype(np.int32))
         return self._dev["np"]
+
+    def c_step(self, start: int, n: int) -> tuple | None:
+        if start % 4:
+            return None
+        return ("grid", *self.cpu_terms(), start // 4)
 
     def _apply(self, src: torch.Tensor, out: torch.Tensor, start: int, sign: int) -> None:
         """``out`` = ``src`` with its half-shifted exponent field plus ``sign`` x the prediction,
