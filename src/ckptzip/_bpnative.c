@@ -323,6 +323,19 @@ static void exp_grid_run(const u32a *x, u32a *o, const i32a *rr, const i32a *cc,
                          long long n, int sign);
 static void exp_ref_run(const u32a *x, u32a *o, const u32a *f, long long n, int sign);
 
+/* Whether n float32 words from grid word g0 lie inside an expgrid of int32 terms r (rlen bytes:
+ * rows) and c (clen bytes: columns); else a ValueError is set. */
+static int grid_fits(Py_ssize_t rlen, Py_ssize_t clen, long long g0, long long n) {
+    long long cells;
+    if (rlen % 4 || clen % 4 || clen < 4 || g0 < 0 ||
+        __builtin_mul_overflow((long long)(rlen / 4), (long long)(clen / 4), &cells) || g0 > cells ||
+        n > cells - g0) {
+        PyErr_SetString(PyExc_ValueError, "expgrid: words outside the grid");
+        return 0;
+    }
+    return 1;
+}
+
 /* A step on float32 words beside the byte planes: expgrid's (kind 1; a: r, b: c, int32; g0:
  * the grid word of the first word) or expref's (kind 2; a: the reference's words beside the
  * words'): encode's pre step makes each word's residual just before its planes,
@@ -345,17 +358,11 @@ static int step_parse(PyObject *po, step_t *p, Py_ssize_t len, const Py_buffer *
         PyErr_SetString(PyExc_ValueError, "a step is (\"grid\", r, c, g0) or (\"ref\", words)");
         return -1;
     }
-    long long cells;
     if (w % 4) {
         PyErr_SetString(PyExc_ValueError, "a grid or reference step needs whole float32 words");
         return -1;
     }
-    if (p->kind == 1 && (p->a.len % 4 || p->b.len % 4 || p->b.len < 4 || p->g0 < 0 ||
-                         __builtin_mul_overflow((long long)(p->a.len / 4), (long long)(p->b.len / 4), &cells) ||
-                         p->g0 > cells || len / 4 > cells - p->g0)) {
-        PyErr_SetString(PyExc_ValueError, "expgrid: words outside the grid");
-        return -1;
-    }
+    if (p->kind == 1 && !grid_fits(p->a.len, p->b.len, p->g0, len / 4)) return -1;
     if (p->kind == 2 && (p->a.len != len || (out && (const char *)p->a.buf < (const char *)out->buf + out->len &&
                                                     (const char *)out->buf < (const char *)p->a.buf + p->a.len))) {
         PyErr_SetString(PyExc_ValueError, "expref: the reference must be as long as its words and apart from the output");
@@ -558,14 +565,8 @@ static PyObject *py_exp_grid(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "y*w*y*y*Li", &src, &out, &r, &c, &w0, &sign)) return NULL;
     PyObject *ret = NULL;
-    long long n = src.len / 4, rows = r.len / 4, cols = c.len / 4;
-    if (same_words(&src, &out)) goto done;
-    long long cells;
-    if (r.len % 4 || c.len % 4 || cols < 1 || w0 < 0 || __builtin_mul_overflow(rows, cols, &cells)
-        || w0 > cells || n > cells - w0) {
-        PyErr_SetString(PyExc_ValueError, "expgrid: words outside the grid");
-        goto done;
-    }
+    long long n = src.len / 4, cols = c.len / 4;
+    if (same_words(&src, &out) || !grid_fits(r.len, c.len, w0, n)) goto done;
     {
         const u32a *x = src.buf;
         u32a *o = out.buf;
