@@ -192,7 +192,7 @@ def _storage(i: int, s: Any, seen: dict | None = None) -> tuple[int, list]:
     key = None
     if seen is not None:  # (tagged: a chain without "ref" never takes the key of one with it)
         key = ("plain", _chain_key(codec, tfs)) if ref is None else \
-            ("ref", repr(codec), repr([{k: v for k, v in tfs[0].items() if k != "ref"}] + tfs[1:]))
+            ("ref", _chain_key(codec, [{k: v for k, v in tfs[0].items() if k != "ref"}] + tfs[1:]))
     hit = seen.get(key) if key is not None else None
     if hit is not None and ref is not None and hit[0][1] is not None:
         from .transforms import get_transform
