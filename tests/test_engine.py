@@ -945,6 +945,44 @@ def test_checksums_in_c_equal_python(monkeypatch):
             assert c == py
 
 
+@pytest.mark.parametrize("run", [64, 2 << 20])
+def test_cpu_encoding_checksums_equal_the_writers(tmp_path, monkeypatch, run):
+    """CPU groups' chunks are hashed by the encoding (in C, in runs on the pool) into
+    ``Encoded.xxh3``, which the writer takes: every chunk's checksum equals xxhash's of its
+    bytes, and the file is byte for byte the one written with the checksums computed by the
+    writer in Python (small and large storages, raw and coded chunks, several codec calls)."""
+    from ckptzip import native
+    from ckptzip.engine import encode as E
+    from ckptzip.format import checksum
+    if not native.XXH3:
+        pytest.skip("XXH3 is not available to the C extension")
+    monkeypatch.setattr(E, "HASH_RUN", run)
+    g = torch.Generator().manual_seed(5)
+    state = {"w": torch.randn(300_000, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16),
+             "i": torch.arange(5000), "z": torch.zeros(4096), "step": torch.tensor(3.0)}
+    seen = []
+    real = E.encode_group_arrays
+
+    def spy(units):
+        enc = real(units)
+        seen.append(enc)
+        return enc
+    monkeypatch.setattr("ckptzip.pipeline.encode_group_arrays", spy)
+    ckptzip.save(state, tmp_path / "c.ckz", device="cpu")
+    assert seen and all(e.xxh3 is not None for e in seen)
+    for e in seen:
+        views = [memoryview(t.numpy().reshape(-1)) for t in e.tensors]
+        want = [checksum(views[t][o:o + n]) for t, o, n in zip(e.src.tolist(), e.soff.tolist(), e.stored.tolist())]
+        assert e.xxh3.tolist() == want
+    monkeypatch.setattr(native, "XXH3", False)
+    seen.clear()
+    ckptzip.save(state, tmp_path / "p.ckz", device="cpu")
+    assert seen and all(e.xxh3 is None for e in seen)
+    assert (tmp_path / "c.ckz").read_bytes() == (tmp_path / "p.ckz").read_bytes()
+    out = ckptzip.load(tmp_path / "c.ckz")
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
 def test_fused_table_falls_back_for_chunks_across_planes():
     """A batch whose chunks span two planes (valid, never written by ckptzip) gets no fused
     table: the two-step decode takes it, and the file loads bit-exact either way."""

@@ -54,7 +54,8 @@
  *
  *   xxh3_load(path), xxh3_many(buf, offs, sizes, out)
  *       XXH3-64 (seed 0) taken from the already loaded shared object `path` (the xxhash
- *       package's extension: python-xxhash exports libxxhash's API); then the XXH3-64 of every
+ *       package's extension: python-xxhash exports libxxhash's API, XXH3_64bits_dispatch
+ *       preferred: its SIMD width chosen at run time); then the XXH3-64 of every
  *       chunk buf[offs[i]:+sizes[i]] into out[i] (uint64) without the GIL. native.py checks the
  *       loaded function against xxhash's Python API before anything uses it
  *
@@ -1101,7 +1102,11 @@ static PyObject *py_xxh3_load(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
     if (!xxh3_64) {
         void *h = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
-        if (h) xxh3_64 = (xxh3_fn)dlsym(h, "XXH3_64bits");
+        if (h) {  /* the build's runtime dispatch (AVX2 / AVX-512 where the CPU has them), where
+                   * exported; else the plain function (SSE2 on x86-64: about twice the instructions) */
+            xxh3_64 = (xxh3_fn)dlsym(h, "XXH3_64bits_dispatch");
+            if (!xxh3_64) xxh3_64 = (xxh3_fn)dlsym(h, "XXH3_64bits");
+        }
     }
     return PyBool_FromLong(xxh3_64 != NULL);
 }

@@ -193,8 +193,10 @@ class ChunkWriter:
         self._enqueue((slot, host), host, rel)
 
     def _write_cpu(self, block: np.ndarray, grp: _CpuGroup, end: int) -> None:
-        """Checksum a CPU group's chunks into its rows ``block`` and write it (it ends at ``end``)."""
-        block["xxh3"] = [checksum(b) for b in grp.bufs]
+        """Checksum a CPU group's chunks into its rows ``block`` (or take the checksums its
+        encoding computed) and write it (it ends at ``end``)."""
+        sums = grp.enc.xxh3
+        block["xxh3"] = sums if sums is not None else [checksum(b) for b in grp.bufs]
         _write_all(self.f, grp.parts)
         self._written(end)
 
