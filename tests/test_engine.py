@@ -1335,8 +1335,9 @@ def test_raw_plane_estimates_made_ahead_give_the_same_file(monkeypatch):
     real = P.Planner._raw_planes
 
     def spy(self, ref, width):
-        if self._ahead is not None and self._ahead[0] is not None:  # (finished first: estimates
-            self._ahead[0].result()                                  # still queued are made inline)
+        if self._ahead is not None and self._ahead[0] is not None:  # (finished first: halves
+            for f in self._ahead[0]:                                 # still queued are made inline)
+                f.result()
         used.append(self._ahead is not None and id(ref) in self._ahead[1])
         return real(self, ref, width)
     monkeypatch.setattr(P.Planner, "_raw_planes", spy)
@@ -1351,9 +1352,9 @@ def test_raw_plane_estimates_made_ahead_give_the_same_file(monkeypatch):
 
 def test_raw_plane_estimates_queued_behind_other_work_are_not_waited_for(monkeypatch):
     """Estimates still queued when planning needs them (the CPU pool busy with another save or
-    load) are cancelled and made on the planning thread, all in the one call the pool would
-    have made (not storage by storage): the save does not wait for the pool's queue, and writes
-    the same file."""
+    load) are cancelled and made on the planning thread, each half in the one call the pool
+    would have made (not storage by storage): the save does not wait for the pool's queue, and
+    writes the same file."""
     import threading
     import time
     from ckptzip.codecs import cpu as ccpu
@@ -1378,6 +1379,47 @@ def test_raw_plane_estimates_queued_behind_other_work_are_not_waited_for(monkeyp
             f.result()
     assert took < 2.5 and got.getvalue() == want.getvalue()
     assert not one_by_one
+
+
+def test_raw_plane_estimates_split_between_the_pool_and_the_planner(monkeypatch):
+    """The estimates go to the pool in two halves; each still queued when planning needs it is
+    made on the planning thread in one call (while the other may run on the pool): with the
+    pool's threads all busy, both halves are made there, every storage exactly once, and the
+    file is the same."""
+    import threading
+    from ckptzip.codecs import cpu as ccpu
+    from ckptzip.engine import planner as P
+    from ckptzip import native
+    g = torch.Generator().manual_seed(8)
+    obj = {f"w{i}": torch.randn(70_000, generator=g) for i in range(5)}
+    want = io.BytesIO()
+    monkeypatch.setattr(P.Planner, "estimate_ahead", lambda self, refs: None)
+    ckptzip.save(obj, want, device="cpu")
+    monkeypatch.undo()
+    calls = []
+    real = native.lib.plane_entropy_many
+
+    class Lib:
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def plane_entropy_many(self, srcs, *a):
+            calls.append((threading.current_thread().name, len(srcs)))
+            return real(srcs, *a)
+    lib = native.lib
+    monkeypatch.setattr(native, "lib", Lib())
+    gate = threading.Event()
+    busy = [ccpu._pool().submit(gate.wait, 5) for _ in range(ccpu.cpu_threads())]
+    try:
+        got = io.BytesIO()
+        ckptzip.save(obj, got, device="cpu")
+    finally:
+        gate.set()
+        for f in busy:
+            f.result()
+    assert got.getvalue() == want.getvalue()
+    assert sorted(n for _t, n in calls) == [2, 3]  # (5 storages: halves of 2 and 3, each made once)
+    assert all(t == threading.current_thread().name for t, _n in calls)
 
 
 def test_cpu_save_pieces_and_runs_give_the_same_file(monkeypatch):

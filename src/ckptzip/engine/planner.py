@@ -161,8 +161,10 @@ class Planner:
         GIL on one of the CPU pool's threads, while the caller's thread goes on planning (the
         reference searches of :mod:`refplan`, the object tree's keys); :meth:`base_plan` takes
         them from there (a 2-core save of the fp32 benchmark state estimates 57 storages, 2-3 ms
-        on the caller's thread). Estimates still queued when they are needed are not waited
-        for: :meth:`_raw_planes` makes them all itself, in the same one call."""
+        on the caller's thread). The storages go in two halves, one pool task each, so that two
+        threads share them. A half still queued when the estimates are needed is not waited
+        for: :meth:`_raw_planes` makes it itself, in one call (a bf16 save plans at once, and
+        its thread then shares the work with the pool's instead of doing all of it)."""
         if (self.dev != "cpu" or self.transform not in ("auto", "byteplane") or native.lib is None
                 or self.codec_id == "raw"):
             return
@@ -173,24 +175,27 @@ class Planner:
             widths = np.fromiter((r.float_width for r in todo), dtype=np.int64, count=len(todo))
             bits = np.empty((len(todo), 8), dtype=np.float64)
             srcs = [r.data.numpy() for r in todo]
-            fut = _pool().submit(native.lib.plane_entropy_many, srcs, widths, bits, CPU_ENTROPY_RUN)
-            self._ahead = (fut, {id(r): k for k, r in enumerate(todo)}, bits, srcs, widths)
+            m = len(todo) // 2
+            halves = [(srcs[a:b], widths[a:b], bits[a:b]) for a, b in ((0, m), (m, len(todo)))]
+            futs = [_pool().submit(native.lib.plane_entropy_many, *h, CPU_ENTROPY_RUN) for h in halves]
+            self._ahead = (futs, {id(r): k for k, r in enumerate(todo)}, bits, halves)
 
     def _raw_planes(self, ref: StorageRef, width: int) -> frozenset:
         if not _estimated(ref.data.numel(), width):
             return _NONE
         if self._ahead is not None and width == ref.float_width:
-            fut, index, bits, srcs, widths = self._ahead
+            futs, index, bits, halves = self._ahead
             k = index.get(id(ref))
             if k is not None:
-                if fut is None:
-                    pass  # (made here already)
-                elif fut.cancel():  # still queued (behind other pool work, or its thread not yet
-                    # awake: a bf16 save plans at once): not waited for, made here in one call
-                    native.lib.plane_entropy_many(srcs, widths, bits, CPU_ENTROPY_RUN)
-                    self._ahead = (None, index, bits, srcs, widths)
-                else:
-                    fut.result()
+                if futs is not None:
+                    for f, h in zip(futs, halves):
+                        if f.cancel():  # still queued (behind other pool work, or its thread not
+                            # yet awake): not waited for, made here
+                            native.lib.plane_entropy_many(*h, CPU_ENTROPY_RUN)
+                    for f in futs:
+                        if not f.cancelled():
+                            f.result()
+                    self._ahead = (None, index, bits, halves)
                 return frozenset(int(p) for p in np.nonzero(bits[k, :width] > 8 * CPU_RAW_ENTROPY)[0])
         return cpu_raw_planes(ref.data, width)
 
@@ -198,9 +203,8 @@ class Planner:
         """Cancel the estimates started ahead, or wait for them: a save that ends (or fails)
         leaves no pool thread still reading the caller's tensors."""
         if self._ahead is not None:
-            fut = self._ahead[0]
-            if fut is not None and not fut.cancel():
-                concurrent.futures.wait([fut])
+            futs = self._ahead[0] or []
+            concurrent.futures.wait([f for f in futs if not f.cancel()])
             self._ahead = None
 
     def hold_rot16(self) -> None:
