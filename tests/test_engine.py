@@ -1390,6 +1390,8 @@ def test_raw_plane_estimates_split_between_the_pool_and_the_planner(monkeypatch)
     from ckptzip.codecs import cpu as ccpu
     from ckptzip.engine import planner as P
     from ckptzip import native
+    if native.lib is None:
+        pytest.skip("the estimates are made ahead only with the C extension")
     g = torch.Generator().manual_seed(8)
     obj = {f"w{i}": torch.randn(70_000, generator=g) for i in range(5)}
     want = io.BytesIO()

@@ -1779,7 +1779,7 @@ static PyMethodDef methods[] = {
      "planes_fused_many(src, items, order, counter): many planes_fused calls, shared between the threads "
      "that call it with the same order and counter; None or (item, chunk, message)"},
     {"xxh3_load", py_xxh3_load, METH_VARARGS,
-     "xxh3_load(path): take XXH3_64bits from the loaded shared object path; whether it is loaded"},
+     "xxh3_load(path): take XXH3_64bits_dispatch (else XXH3_64bits) from the loaded shared object path; whether it is loaded"},
     {"xxh3_many", py_xxh3_many, METH_VARARGS,
      "xxh3_many(buf, offs, sizes, out): XXH3-64 of every chunk into out (uint64)"},
     {"zstd_encode", py_zstd_encode, METH_VARARGS,

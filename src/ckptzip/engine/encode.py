@@ -61,10 +61,11 @@ class Encoded:
         return r
 
 
-def encode_group_arrays(units: list[Unit]) -> Encoded:
+def encode_group_arrays(units: list[Unit], checksums: bool = True) -> Encoded:
     """Transform every unit into one group stream on the codec device and compress all chunks of
     each codec in one call; a chunk that does not shrink stays raw. Chunk bookkeeping is done
-    with numpy arrays: a group holds thousands of chunks."""
+    with numpy arrays: a group holds thousands of chunks. ``checksums=False``: CPU groups'
+    chunks are not hashed (``Encoded.xxh3`` None: the planner's samples, never written)."""
     dev = units[0].plan.codec.device
     # each unit starts 16-byte aligned in the group stream, so nvCOMP reads chunks in place
     total = sum(ceil_align(u.data.numel()) for u in units)
@@ -224,7 +225,7 @@ def encode_group_arrays(units: list[Unit]) -> Encoded:
         torch.cuda.current_stream().synchronize()  # the staging buffer may be reused next group
         PINNED.release(staged)
     return Encoded(tensors, src, soff, stored, raw, flags, counts,
-                   _cpu_checksums(tensors, src, soff, stored) if dev == "cpu" else None)
+                   _cpu_checksums(tensors, src, soff, stored) if dev == "cpu" and checksums else None)
 
 
 #: chunks of a CPU group are hashed in runs of about this many bytes on the pool's threads
@@ -234,9 +235,11 @@ HASH_RUN = 2 << 20
 def _cpu_checksums(tensors: list, src: np.ndarray, soff: np.ndarray, stored: np.ndarray) -> np.ndarray | None:
     """The XXH3-64 of every chunk of a CPU group (``tensors[src[i]]``'s bytes ``soff[i]:+stored[i]``),
     in C without the GIL on the CPU pool's threads, in runs of about :data:`HASH_RUN` bytes of
-    chunks: the writer then hashes nothing (one Python call per chunk on one thread before:
-    about 3 ms of each fp32 save of the CPU benchmark state on a sandbox core). None where
-    checksums are not computed in C (``native.XXH3``)."""
+    chunks: the writer takes them for the CPU groups it writes in place (one Python call per
+    chunk on one thread before: about 3 ms of each fp32 save of the CPU benchmark state on a
+    sandbox core; a CPU group staged into a pinned buffer, in a save whose writer thread runs
+    for GPU groups, is hashed there again). None where checksums are not computed in C
+    (``native.XXH3``)."""
     if not (native.XXH3 and native.lib is not None) or not len(stored):
         return None
     out = np.zeros(len(stored), dtype=np.uint64)

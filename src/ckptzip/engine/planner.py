@@ -177,7 +177,13 @@ class Planner:
             srcs = [r.data.numpy() for r in todo]
             m = len(todo) // 2
             halves = [(srcs[a:b], widths[a:b], bits[a:b]) for a, b in ((0, m), (m, len(todo)))]
-            futs = [_pool().submit(native.lib.plane_entropy_many, *h, CPU_ENTROPY_RUN) for h in halves]
+            futs: list = []
+            try:
+                for h in halves:
+                    futs.append(_pool().submit(native.lib.plane_entropy_many, *h, CPU_ENTROPY_RUN))
+            except BaseException:  # (no task left reading the caller's tensors unrecorded)
+                concurrent.futures.wait([f for f in futs if not f.cancel()])
+                raise
             self._ahead = (futs, {id(r): k for k, r in enumerate(todo)}, bits, halves)
 
     def _raw_planes(self, ref: StorageRef, width: int) -> frozenset:
@@ -364,7 +370,7 @@ class Planner:
                     units.append(u)
         stored: dict[tuple[int, str], list[int]] = {}
         for grp in groups(units, window):
-            enc = encode_group_arrays(grp)
+            enc = encode_group_arrays(grp, checksums=False)
             k = 0
             for u, c in zip(grp, enc.counts):
                 acc = stored.setdefault((u.owner, u.variant), [0] * 8)
