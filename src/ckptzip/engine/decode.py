@@ -27,7 +27,7 @@ from ..transforms import RefTransform, Transform, get_transform
 from ..transforms.byteplane import BytePlane, PlaneSubset, np_decode_onto
 from ..transforms.refs import Delta, fused_planes, multi_segment, planes_after_ref
 from .memory import ALIGN, HOST, PINNED, copy_segments, empty_bytes
-from .plan import DEFAULT_WINDOW, codec_key
+from .plan import DEFAULT_WINDOW, codec_calls
 
 #: decoded bytes per group on the CPU: small enough that reading and checksumming the next
 #: group overlaps decoding this one, large enough for few codec calls; at least CPU_GROUP_PER_THREAD
@@ -473,13 +473,12 @@ def _decode_rest(src: torch.Tensor, soffs: np.ndarray, rows: np.ndarray, grp: li
         _np_copy_segments(src.numpy(), soffs[is_raw], stream.numpy(), roffs[is_raw], raws[is_raw])
     else:
         copy_segments(src, soffs[is_raw], stream, roffs[is_raw], raws[is_raw], start_kernels=False)
-    keys: dict[tuple, tuple[int, Codec]] = {}
-    job_key = [keys.setdefault(codec_key(job.codec), (len(keys), job.codec))[0] for job, *_ in grp]
-    if len(keys) > 1:
+    job_key, calls = codec_calls(job.codec for job, *_ in grp)
+    if len(calls) > 1:
         key_of_row = np.repeat(np.asarray(job_key, dtype=np.int64), [j - i for _job, i, j, _a, _b in grp])
     coded = ~is_raw & left
-    for k, codec in keys.values():
-        ks = np.nonzero(coded if len(keys) == 1 else coded & (key_of_row == k))[0]
+    for k, codec in enumerate(calls):
+        ks = np.nonzero(coded if len(calls) == 1 else coded & (key_of_row == k))[0]
         if len(ks):
             cols = (soffs[ks], stored[ks], roffs[ks], raws[ks])
             if codec.device != "cuda":

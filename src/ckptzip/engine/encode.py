@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 from .. import native
-from ..codecs.base import Codec
 from ..codecs.cpu import pmap_balanced, pmap_sized
 from ..format import FLAG_STORED_RAW, ROW
 from ..kernels import enabled, launch, triton_kernels
@@ -17,7 +16,7 @@ from ..transforms import Transform
 from ..transforms.byteplane import BytePlane
 from ..transforms.refs import fused_planes, multi_segment
 from .memory import HOST, PINNED, ceil_align, copy_segments
-from .plan import Unit, codec_key
+from .plan import Unit, codec_calls
 
 #: CPU units of byte planes alone (whole-word rotation) up to this size are transformed in one
 #: loop on the encoding thread, one C call each: the general path (checks, the pool's runs) cost
@@ -192,22 +191,15 @@ def encode_group_arrays(units: list[Unit], checksums: bool = True) -> Encoded:
     src = np.zeros(len(raw), dtype=np.int64)
     flags = np.full(len(raw), FLAG_STORED_RAW, dtype=np.uint8)
     tensors = [stream]
-    # each unit's codec (equal keys share one call) and raw planes (a bit mask), per chunk
-    codecs: dict[tuple, tuple[int, Codec]] = {}
-    by_obj: dict[int, int] = {}  # id(codec) -> its call (units share a few codec objects)
-
-    def call_of(c: Codec) -> int:
-        k = by_obj.get(id(c))
-        if k is None:
-            k = by_obj[id(c)] = codecs.setdefault(codec_key(c), (len(codecs), c))[0]
-        return k
-    unit_codec = np.asarray([call_of(u.plan.codec) for u in units], dtype=np.int64)
+    # each unit's codec call (equal keys share one) and raw planes (a bit mask), per chunk
+    unit_call, calls = codec_calls(u.plan.codec for u in units)
+    unit_codec = np.asarray(unit_call, dtype=np.int64)
     raw_bits = np.asarray([sum(1 << p for p in u.plan.raw_planes) for u in units], dtype=np.int64)
     coded = ((raw_bits[per_chunk] >> np.maximum(planes, 0)) & 1) == 0
     coded |= planes < 0  # (chunks without a transform have no plane: never raw)
     chunk_codec = unit_codec[per_chunk]
-    for ci, codec in codecs.values():
-        idx = np.nonzero(coded & (chunk_codec == ci))[0] if len(codecs) > 1 else np.nonzero(coded)[0]
+    for ci, codec in enumerate(calls):
+        idx = np.nonzero(coded & (chunk_codec == ci))[0] if len(calls) > 1 else np.nonzero(coded)[0]
         if not len(idx):
             continue
         cuda = codec.device == "cuda"  # GPU codecs take numpy arrays (thousands of chunks), CPU ones lists
