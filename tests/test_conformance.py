@@ -176,3 +176,48 @@ def test_zstd_cpu_paths_bounded_and_standard(planes, fast, multi, monkeypatch):
         src = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
         with pytest.raises(ckptzip.CodecError):
             c.decode(src, [0], [len(frame)], torch.zeros(n, dtype=torch.uint8), [0], [n])
+
+
+def test_python_path_and_c_extension_read_each_others_files(tmp_path):
+    """Without the C extension (``CKPTZIP_NO_NATIVE=1``: a machine without a compiler), a CPU
+    save of a mixed state (fp32 with Adam-like moments, bf16, ints, small storages) loads back
+    bit-exact, a damaged chunk is a ChecksumError, and each path reads the other's file (both
+    write standard zstd frames): run in a fresh process, as the choice is made at import."""
+    import os
+    import subprocess
+    import sys
+    from conftest import read_parts, write_parts
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(200_000, generator=g)
+    state = {"w": w, "m": w * 1e-3 + torch.randn(200_000, generator=g) * 1e-5, "v": (w * 1e-3) ** 2 + 1e-9,
+             "h": torch.randn(70_001, generator=g).bfloat16(), "i": torch.arange(5000), "step": torch.tensor(7.0),
+             "b": torch.randn(33, generator=g)}
+    ref = tmp_path / "ref.pt"
+    torch.save(state, ref)
+    native_file = tmp_path / "native.ckz"
+    ckptzip.save(state, native_file, device="cpu")
+    code = f"""
+import sys, torch, ckptzip, io
+from ckptzip import native
+assert native.lib is None
+state = torch.load({str(ref)!r}, weights_only=True)
+def same(a, b):
+    return all(torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)) for k in a)
+ckptzip.save(state, {str(tmp_path / 'python.ckz')!r}, device="cpu")
+assert same(state, ckptzip.load({str(tmp_path / 'python.ckz')!r}))
+assert same(state, ckptzip.load({str(native_file)!r}))
+bad = open({str(tmp_path / 'bad.ckz')!r}, 'rb').read()
+try:
+    ckptzip.load(io.BytesIO(bad))
+except ckptzip.ChecksumError:
+    print("ok")
+"""
+    data, doc, rows = read_parts(native_file)
+    k = int(np.argmax(rows["stored"]))
+    off = int(rows[k]["offset"]) + 9
+    write_parts(tmp_path / "bad.ckz", data[:off] + bytes([data[off] ^ 0x21]) + data[off + 1:], doc, rows)
+    env = {**os.environ, "CKPTZIP_NO_NATIVE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    got = ckptzip.load(tmp_path / "python.ckz")
+    assert all(torch.equal(got[k].reshape(-1).view(torch.uint8), state[k].reshape(-1).view(torch.uint8)) for k in state)
