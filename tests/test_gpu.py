@@ -261,6 +261,76 @@ def test_async_save_gpu_state(tmp_path, gpu_snapshot_bytes):
         assert same_bits(back[k], v), k
 
 
+def _adam_state():
+    """A model state with Adam's moments: large (6 MiB) and small float32 storages, their bfloat16
+    copies, step counters, odd-sized and offset views, ints."""
+    torch.manual_seed(1)
+    net = torch.nn.Sequential(torch.nn.Linear(1024, 1536), torch.nn.LayerNorm(1536), torch.nn.Linear(1536, 3)).cuda()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    for _ in range(2):
+        net(torch.randn(8, 1024, device="cuda")).square().sum().backward()
+        opt.step()
+    sd = net.state_dict()
+    w = sd["0.weight"]
+    return {"model": sd, "bf16": {k: v.to(torch.bfloat16) for k, v in sd.items()}, "optimizer": opt.state_dict(),
+            "i8": torch.arange(7, dtype=torch.int8, device="cuda"), "view": w[1:, 3:5],
+            "i16": torch.randint(0, 9, (333,), dtype=torch.int16, device="cuda")[1:],
+            "f16": torch.randn(1001, device="cuda").half()[1:], "cpu": torch.randn(3000)}
+
+
+@pytest.mark.parametrize("chunk_size", [1 << 20, 4096])
+def test_snapshot_launch_policy_writes_the_same_bytes(tmp_path, monkeypatch, chunk_size):
+    """An async snapshot's encoding (``large_alone=False``: large storages in the multi-segment
+    launches) packs exactly the bytes and rows of a save's (one-storage kernels), and the small
+    units without a transform copied by one ``copy_segments`` launch exactly what torch's
+    copies give where that kernel is unavailable."""
+    from ckptzip.engine import encode as enc_mod, gather_gpu
+    from ckptzip.kernels import MULTI_MAX, enabled, triton_kernels
+    from ckptzip.pipeline import prepare
+    tk = triton_kernels(wait=True)
+    if tk is None:
+        pytest.skip("no Triton")
+    s = _adam_state()
+    prep = prepare(s, "auto", "auto", chunk_size, None, None, False, "cuda", False, None, None)
+    gpu = [g for g in prep.groups if g[0].plan.codec.device == "cuda"]
+    assert any(u.data.numel() >= MULTI_MAX for g in gpu for u in g)
+    assert sum(u.plan.transform is None and 0 < u.data.numel() < MULTI_MAX for g in gpu for u in g) >= 5
+
+    def packed(grp, **kw):
+        buf, rows = gather_gpu(enc_mod.encode_group_arrays(grp, **kw))
+        return buf.cpu(), rows
+
+    real = enc_mod.launch
+    ran: list = []
+
+    def counted(fam, k, *a):  # every launch must run: a failed one turns its family off
+        ok = real(fam, k, *a)
+        assert ok, (fam, k)
+        ran.append(k == tk.copy_segments)
+        return ok
+    for grp in gpu:
+        monkeypatch.setattr(enc_mod, "launch", counted)
+        want_buf, want_rows = packed(grp)
+        for kw, copy_kernel in (({"large_alone": False}, True), ({}, False), ({"large_alone": False}, False)):
+            monkeypatch.setattr(enc_mod, "launch", counted if copy_kernel else
+                                lambda fam, k, *a: False if k == tk.copy_segments else counted(fam, k, *a))
+            buf, rows = packed(grp, **kw)
+            assert torch.equal(buf, want_buf) and (rows == want_rows).all(), (kw, copy_kernel)
+    monkeypatch.setattr(enc_mod, "launch", real)
+    assert any(ran) and not all(ran)  # the copy kernel and the multi-segment ones ran
+    assert enabled("encode_multi")
+    before = {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+    ckptzip.async_save(s, tmp_path / "a.ckz", chunk_size=chunk_size).wait()
+    back = ckptzip.load(tmp_path / "a.ckz", map_location="cpu")
+    for k in ("i8", "view", "i16", "f16", "cpu"):
+        assert same_bits(back[k], before[k]), k
+    for k, v in s["bf16"].items():
+        assert same_bits(back["bf16"][k], v) and same_bits(back["model"][k], s["model"][k]), k
+    for i, st in s["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert same_bits(back["optimizer"]["state"][i][k], v), (i, k)
+
+
 def test_cast16_cuda_matches_cpu_on_edge_patterns():
     """The derived prediction on CUDA (torch's cast + NaN fill) equals the CPU bit formula on every
     high half-word with the low halves that decide rounding (ties, carries into the exponent,

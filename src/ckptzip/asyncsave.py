@@ -307,7 +307,7 @@ def _snapshot(prep, gpu_bytes: int | None, arena: Arena) -> list:
         if grp[0].plan.codec.device == "cuda":
             while len(inflight) >= 2:
                 inflight.popleft().synchronize()
-            enc = encode_group_arrays(grp)
+            enc = encode_group_arrays(grp, large_alone=False)  # (few launches: the caller waits for the host)
             buf, rel = gather_gpu(enc)
             per_unit = enc.counts
             del enc

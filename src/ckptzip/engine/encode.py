@@ -11,7 +11,7 @@ import torch
 from .. import native
 from ..codecs.cpu import pmap_balanced, pmap_sized
 from ..format import FLAG_STORED_RAW, ROW
-from ..kernels import enabled, launch, triton_kernels
+from ..kernels import MULTI_MAX, enabled, launch, triton_kernels
 from ..transforms import Transform
 from ..transforms.byteplane import BytePlane
 from ..transforms.refs import fused_planes, multi_segment
@@ -60,11 +60,15 @@ class Encoded:
         return r
 
 
-def encode_group_arrays(units: list[Unit], checksums: bool = True) -> Encoded:
+def encode_group_arrays(units: list[Unit], checksums: bool = True, large_alone: bool = True) -> Encoded:
     """Transform every unit into one group stream on the codec device and compress all chunks of
     each codec in one call; a chunk that does not shrink stays raw. Chunk bookkeeping is done
     with numpy arrays: a group holds thousands of chunks. ``checksums=False``: CPU groups'
-    chunks are not hashed (``Encoded.xxh3`` None: the planner's samples, never written)."""
+    chunks are not hashed (``Encoded.xxh3`` None: the planner's samples, never written).
+    ``large_alone`` (GPU groups): units of :data:`~ckptzip.kernels.MULTI_MAX` bytes or more take
+    the one-storage kernels, faster on the GPU; False (an async save's snapshot, where the
+    training loop waits for the host): they join the multi-segment launches, one per kind of
+    chain instead of one each (a Triton launch costs the host 50-100 us; same bytes)."""
     dev = units[0].plan.codec.device
     # each unit starts 16-byte aligned in the group stream, so nvCOMP reads chunks in place
     total = sum(ceil_align(u.data.numel()) for u in units)
@@ -77,7 +81,7 @@ def encode_group_arrays(units: list[Unit], checksums: bool = True) -> Encoded:
         tk = triton_kernels()
         if tk is not None:
             multi = [multi_segment(u.plan.transform, u.plan.ref, u.start, u.data.numel(), u.data.data_ptr(), here,
-                                   large_alone=True)
+                                   large_alone=large_alone)
                      if not u.resolved and u.data.numel() and u.data.device == here
                      and (u.plan.transform is not None or u.plan.ref is not None) else None for u in units]
 
@@ -125,6 +129,10 @@ def encode_group_arrays(units: list[Unit], checksums: bool = True) -> Encoded:
             copies[1].append(src)
 
     kinds: dict[tuple, list] = {}  # (mode, width, planes) -> [(unit, position, segment)]
+    # GPU units without a transform under MULTI_MAX bytes (norms, biases, step counters, ...):
+    # [(address, position, bytes)], copied into the stream by one copy_segments launch (a
+    # slice and a copy each cost the host about 25 us per unit, for 403 of the GPU benchmark's)
+    plain: list[tuple[int, int, int]] = []
     pos = 0
     for u, data, fz, mk in zip(units, datas, fused, multi):
         n = data.numel()
@@ -135,8 +143,18 @@ def encode_group_arrays(units: list[Unit], checksums: bool = True) -> Encoded:
             kinds.setdefault((mode, w, planes), []).append(
                 (u, pos, (pos, data.data_ptr() - sb, rptr - sb, n // w, block, cptr - sb if cptr else 0, ncols, w0)))
         elif not single and n:
-            steps(u, data, fz, pos)
+            if tk is not None and u.plan.transform is None and n < MULTI_MAX and data.device == here:
+                plain.append((data.data_ptr(), pos, n))
+            else:
+                steps(u, data, fz, pos)
         pos += ceil_align(n)
+    if plain:
+        addr, at, lens = np.asarray(plain, dtype=np.int64).T
+        if not launch("encode_multi", tk.copy_segments, stream, addr - stream.data_ptr(), stream, at, lens):
+            for u, data, fz, mk in zip(units, datas, fused, multi):  # the kernel is unavailable: torch copies
+                if (mk is None and not single and data.numel() and u.plan.transform is None
+                        and data.numel() < MULTI_MAX and data.device == here):
+                    steps(u, data, fz, u.base)
     for (mode, w, planes), segs in kinds.items():
         # each kind of chain (planes, expref, expgrid, derived, xor/delta + planes) in one launch
         if not launch("encode_multi", tk.encode_multi, stream,
