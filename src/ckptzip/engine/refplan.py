@@ -64,7 +64,7 @@ _TURN: dict = {}  # layout -> index of the first pair the next save probes
 
 
 def _layout(refs: list[StorageRef]) -> tuple:
-    return tuple((str(r.data.device), r.data.numel(), r.elem) for r in refs)
+    return tuple((r.device, r.data.numel(), r.elem) for r in refs)  # (r.device: str(r.data.device))
 
 
 def _probes_hold(refs: list[StorageRef], pairs: list[tuple[int, int, str]]) -> bool:

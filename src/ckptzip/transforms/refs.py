@@ -20,7 +20,6 @@ holds the reference (``xor`` decodes in place into a destination pre-filled with
 """
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import numpy as np
@@ -129,7 +128,8 @@ class RefTransform(Transform):
     def bind(self, ref: torch.Tensor) -> "RefTransform":
         """A copy of this transform that uses ``ref`` (flat uint8: the whole reference storage).
         (A shallow copy: a reference transform's other fields are immutable config values.)"""
-        t = copy.copy(self)
+        t = object.__new__(type(self))  # (copy.copy's reduce protocol cost ~10 us: 300 binds a save)
+        t.__dict__.update(self.__dict__)
         t.ref = ref
         return t
 
