@@ -35,6 +35,15 @@ class Plan:
     est: float | None = None  # sampled stored bytes per input byte (planner bookkeeping)
 
 
+def with_ref(plan: Plan, ref: Transform | None) -> Plan:
+    """``plan`` with another bound reference transform (a shallow copy; ``dataclasses.replace``
+    ran ``__init__`` again, about 8 us each for the 300 plans of a reused layout per save)."""
+    p = object.__new__(Plan)
+    p.__dict__.update(plan.__dict__)
+    p.ref = ref
+    return p
+
+
 def gpu_decode_window(budget: int | None = None) -> int:
     """Group bytes for GPU decoding: small enough that reading the next group overlaps decoding
     this one from the start (64 MiB), and at most one encode window (see :func:`gpu_window`)."""
@@ -65,7 +74,7 @@ def windows(nbytes: int, tf: Transform | None, chunk: int, window: int,
     byteplane index of each chunk (-1 without a transform). ``plane_chunks`` overrides the chunk
     size of some planes. Memoized: a training loop saves the same shapes again and again."""
     tf_key = (tf.width, tf.block) if tf else None
-    return _windows(nbytes, tf_key, chunk, window, tuple(sorted((plane_chunks or {}).items())))
+    return _windows(nbytes, tf_key, chunk, window, tuple(sorted(plane_chunks.items())) if plane_chunks else ())
 
 
 @functools.lru_cache(maxsize=8192)

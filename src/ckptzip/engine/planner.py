@@ -28,7 +28,7 @@ from ..transforms import BytePlane
 from ..tree import StorageRef
 from . import refplan
 from .encode import encode_group_arrays
-from .plan import DEFAULT_CHUNK, Plan, Unit, groups, units_of
+from .plan import DEFAULT_CHUNK, Plan, Unit, groups, units_of, with_ref
 
 #: GPU zstd compresses at about 5-8 GB/s; storage slower than this gets zstd on the GPU
 GPU_ZSTD_GBPS = 6.0
@@ -331,8 +331,7 @@ class Planner:
             plans = self._plan_all(refs, window, ref_tfs)
             # cached unbound: a plan must not keep this save's tensors alive after it
             with _PLAN_LOCK:
-                _PLAN_CACHE[key] = [dataclasses.replace(p, ref=p.ref.bind(None)) if p.ref is not None else p
-                                    for p in plans]
+                _PLAN_CACHE[key] = [with_ref(p, p.ref.bind(None)) if p.ref is not None else p for p in plans]
                 while len(_PLAN_CACHE) > 8:
                     _PLAN_CACHE.popitem(last=False)
             return plans
@@ -340,8 +339,7 @@ class Planner:
             return cached
         # a cached plan with a reference is bound to the tensors of the save that made it: bind
         # to these (an ``expref`` the sampling rejected stays rejected)
-        return [dataclasses.replace(p, ref=ref_tfs[i]) if i in ref_tfs and p.ref is not None else p
-                for i, p in enumerate(cached)]
+        return [with_ref(p, ref_tfs[i]) if i in ref_tfs and p.ref is not None else p for i, p in enumerate(cached)]
 
     def _plan_all(self, refs: list[StorageRef], window: int, ref_tfs: dict | None = None,
                   alt_tfs: dict | None = None) -> list[Plan]:
