@@ -88,7 +88,8 @@ class Encoder:
         idx = self._index.get(key)                                                            # ones are never shared)
         if idx is None:
             # the storage as one flat uint8 tensor: a new tensor of an empty one set to it
-            # (detach() costs half of torch.empty, on CUDA 5.4 us: hundreds per save's stall)
+            # (2.7 us against 4.3 for torch.empty(0).set_() on a sandbox core, which took 2.7-5.4
+            # us on CUDA: hundreds per save's stall)
             empty = self._empty.get(dev)
             if empty is None:
                 empty = self._empty[dev] = torch.empty(0, dtype=torch.uint8, device=dev)
