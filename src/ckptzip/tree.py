@@ -82,7 +82,7 @@ class Encoder:
         st = t.untyped_storage()
         if dev is None:
             dev = t.device
-        dname = _DEVICE_NAMES.get(dev) or _device_name(dev)
+        dname = _device_name(dev)
         nbytes = st.nbytes()
         key = (dname, st.data_ptr(), nbytes) if nbytes else (dname, -len(self.storages), 0)  # (empty
         idx = self._index.get(key)                                                            # ones are never shared)
@@ -113,7 +113,7 @@ class Encoder:
             raise UnsupportedObjectError(f"tensor subclass {type(t).__name__} is not supported")
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
-        dtype = _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype)
+        dtype = dtype_name(t.dtype)
         node["s"] = self._storage(t, dtype, dev)
         node["dtype"] = dtype
         node["shape"] = list(t.shape)
