@@ -283,8 +283,11 @@ def test_snapshot_launch_policy_writes_the_same_bytes(tmp_path, monkeypatch, chu
     """An async snapshot's encoding (``large_alone=False``: large storages in the multi-segment
     launches) packs exactly the bytes and rows of a save's (one-storage kernels), and the small
     units without a transform copied by one ``copy_segments`` launch exactly what torch's
-    copies give where that kernel is unavailable."""
+    copies give where that kernel is unavailable. Large storages join the multi-segment launches
+    only with ``large_alone=False``; a kernel that raises turns its family off, and the torch way
+    writes the same bytes."""
     from ckptzip.engine import encode as enc_mod, gather_gpu
+    from ckptzip import kernels as kmod
     from ckptzip.kernels import MULTI_MAX, enabled, triton_kernels
     from ckptzip.pipeline import prepare
     tk = triton_kernels(wait=True)
@@ -302,22 +305,51 @@ def test_snapshot_launch_policy_writes_the_same_bytes(tmp_path, monkeypatch, chu
 
     real = enc_mod.launch
     ran: list = []
+    packed_want: dict = {}
+    # large_alone -> the largest segment of a multi-segment launch whose chain also has a
+    # one-storage kernel (planes alone or after xor / delta / expref / hidelta)
+    largest = {False: 0, True: 0}
+    alone_modes = (kmod.PLAIN, kmod.PLAIN16, kmod.XOR, kmod.DELTA, kmod.EXPREF, kmod.HIDELTA)
+    alone = [True]
 
     def counted(fam, k, *a):  # every launch must run: a failed one turns its family off
         ok = real(fam, k, *a)
         assert ok, (fam, k)
         ran.append(k == tk.copy_segments)
+        if k == tk.encode_multi and a[-2] in alone_modes:  # (stream, soffs, doffs, roffs, nwords,
+            largest[alone[0]] = max(largest[alone[0]], int(np.max(a[4])) * a[-3])  # ..., width, mode, planes)
         return ok
     for grp in gpu:
         monkeypatch.setattr(enc_mod, "launch", counted)
-        want_buf, want_rows = packed(grp)
+        want_buf, want_rows = packed_want[id(grp)] = packed(grp)
         for kw, copy_kernel in (({"large_alone": False}, True), ({}, False), ({"large_alone": False}, False)):
+            alone[0] = kw.get("large_alone", True)
             monkeypatch.setattr(enc_mod, "launch", counted if copy_kernel else
                                 lambda fam, k, *a: False if k == tk.copy_segments else counted(fam, k, *a))
             buf, rows = packed(grp, **kw)
             assert torch.equal(buf, want_buf) and (rows == want_rows).all(), (kw, copy_kernel)
     monkeypatch.setattr(enc_mod, "launch", real)
     assert any(ran) and not all(ran)  # the copy kernel and the multi-segment ones ran
+    assert enabled("encode_multi")
+    # large storages join the multi-segment launches only where asked (large_alone=False)
+    assert largest[False] >= MULTI_MAX > largest[True], largest
+    # a kernel that really fails (not a refused launch): its family is turned off and every
+    # unit takes the torch way, with the same bytes
+    def broken(*a, **k):
+        raise RuntimeError("simulated Triton failure")
+    for name in ("copy_segments", "encode_multi"):
+        try:
+            for grp in gpu:
+                monkeypatch.setattr(tk, name, broken)
+                enc = enc_mod.encode_group_arrays(grp, large_alone=False)
+                monkeypatch.undo()  # (packing calls copy_segments itself)
+                buf, rows = gather_gpu(enc)
+                assert torch.equal(buf.cpu(), packed_want[id(grp)][0]), name
+                assert (rows == packed_want[id(grp)][1]).all(), name
+            assert not enabled("encode_multi")
+        finally:
+            monkeypatch.undo()
+            kmod._OFF.discard("encode_multi")
     assert enabled("encode_multi")
     before = {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
     ckptzip.async_save(s, tmp_path / "a.ckz", chunk_size=chunk_size).wait()

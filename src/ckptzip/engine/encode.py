@@ -133,6 +133,7 @@ def encode_group_arrays(units: list[Unit], checksums: bool = True, large_alone: 
     # [(address, position, bytes)], copied into the stream by one copy_segments launch (a
     # slice and a copy each cost the host about 25 us per unit, for 403 of the GPU benchmark's)
     plain: list[tuple[int, int, int]] = []
+    plain_steps: list[tuple] = []  # their steps() arguments, for the torch way if the launch fails
     pos = 0
     for u, data, fz, mk in zip(units, datas, fused, multi):
         n = data.numel()
@@ -145,16 +146,15 @@ def encode_group_arrays(units: list[Unit], checksums: bool = True, large_alone: 
         elif not single and n:
             if tk is not None and u.plan.transform is None and n < MULTI_MAX and data.device == here:
                 plain.append((data.data_ptr(), pos, n))
+                plain_steps.append((u, data, fz, pos))
             else:
                 steps(u, data, fz, pos)
         pos += ceil_align(n)
     if plain:
         addr, at, lens = np.asarray(plain, dtype=np.int64).T
         if not launch("encode_multi", tk.copy_segments, stream, addr - stream.data_ptr(), stream, at, lens):
-            for u, data, fz, mk in zip(units, datas, fused, multi):  # the kernel is unavailable: torch copies
-                if (mk is None and not single and data.numel() and u.plan.transform is None
-                        and data.numel() < MULTI_MAX and data.device == here):
-                    steps(u, data, fz, u.base)
+            for args in plain_steps:  # the kernel is unavailable: torch copies
+                steps(*args)
     for (mode, w, planes), segs in kinds.items():
         # each kind of chain (planes, expref, expgrid, derived, xor/delta + planes) in one launch
         if not launch("encode_multi", tk.encode_multi, stream,
