@@ -307,7 +307,7 @@ def test_snapshot_launch_policy_writes_the_same_bytes(tmp_path, monkeypatch, chu
     ran: list = []
     packed_want: dict = {}
     # large_alone -> the largest segment of a multi-segment launch whose chain also has a
-    # one-storage kernel (planes alone or after xor / delta / expref / hidelta)
+    # one-storage kernel (byte planes alone or after xor / delta / expref / hidelta)
     largest = {False: 0, True: 0}
     alone_modes = (kmod.PLAIN, kmod.PLAIN16, kmod.XOR, kmod.DELTA, kmod.EXPREF, kmod.HIDELTA)
     alone = [True]
@@ -316,11 +316,12 @@ def test_snapshot_launch_policy_writes_the_same_bytes(tmp_path, monkeypatch, chu
         ok = real(fam, k, *a)
         assert ok, (fam, k)
         ran.append(k == tk.copy_segments)
-        if k == tk.encode_multi and a[-2] in alone_modes:  # (stream, soffs, doffs, roffs, nwords,
-            largest[alone[0]] = max(largest[alone[0]], int(np.max(a[4])) * a[-3])  # ..., width, mode, planes)
+        if k == tk.encode_multi and a[-2] in alone_modes and a[-1]:  # (stream, soffs, doffs, roffs,
+            largest[alone[0]] = max(largest[alone[0]], int(np.max(a[4])) * a[-3])  # nwords, ..., width, mode, planes)
         return ok
     for grp in gpu:
         monkeypatch.setattr(enc_mod, "launch", counted)
+        alone[0] = True
         want_buf, want_rows = packed_want[id(grp)] = packed(grp)
         for kw, copy_kernel in (({"large_alone": False}, True), ({}, False), ({"large_alone": False}, False)):
             alone[0] = kw.get("large_alone", True)
