@@ -631,10 +631,10 @@ def test_states_without_float32_skip_the_adam_key_search(monkeypatch):
     one still finds its Adam pairs."""
     import io
     import ckptzip
-    from ckptzip import tree
+    from ckptzip import pipeline
     calls = []
-    real = tree.tensor_keys
-    monkeypatch.setattr(tree, "tensor_keys", lambda root, **kw: calls.append(1) or real(root, **kw))
+    real = pipeline.tensor_keys
+    monkeypatch.setattr(pipeline, "tensor_keys", lambda root, **kw: calls.append(1) or real(root, **kw))
     g = torch.Generator().manual_seed(0)
     m = torch.randn(256, 64, generator=g) * 1e-3
     st = {"state": {0: {"exp_avg": m, "exp_avg_sq": m * m}}}

@@ -45,10 +45,20 @@ def pack_header(minor: int = 0) -> bytes:
     return HEADER.pack(MAGIC, VERSION[0], minor, 0)
 
 
-def pack_manifest(doc: dict[str, Any], rows: np.ndarray) -> bytes:
+def dump_json(doc: Any) -> str:
+    """A manifest document (or part of one) as the manifest holds it: compact ASCII JSON."""
     # (check_circular off: the document is a tree the writer built, with no cycle to find; the
     # check kept a dict of every container, about 20 % of the dump)
-    body = json.dumps(doc, separators=(",", ":"), allow_nan=False, check_circular=False).encode()
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False, check_circular=False)
+
+
+def pack_manifest(doc: dict[str, Any], rows: np.ndarray, root_json: str | None = None) -> bytes:
+    """The manifest: ``doc`` as JSON, and ``root_json`` (the object tree's JSON, made by the
+    caller: :func:`~ckptzip.tree.root_json`) as its last member ``root``; then the chunk table."""
+    text = dump_json(doc)
+    if root_json is not None:
+        text = f'{text[:-1]},"root":{root_json}}}'
+    body = text.encode()
     pad = (-(4 + len(body))) % 8
     return struct.pack("<I", len(body)) + body + b" " * pad + rows.astype(ROW).tobytes()
 

@@ -22,7 +22,7 @@ from .engine import DEFAULT_WINDOW, Planner, encode_group_arrays, gpu_window, gr
 from .format import FOOTER_SIZE, HEADER_SIZE, pack_footer, pack_header, pack_manifest
 from .io import ChunkWriter
 from .storage import open_for_write
-from .tree import Encoder
+from .tree import Encoder, Reused, encode_reusing, memoized, root_json, tensor_keys
 
 Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
 
@@ -49,6 +49,8 @@ class SaveJob:
     groups: list
     total: int
     bases: list | None = None  # format 1.1 base records (incremental saves)
+    #: the tree's structure, reused from an earlier save of the same one (``reuse_plan``)
+    reused: Reused | None = None
     #: planned while writing (``groups`` is None, ``plans`` fill in): see :func:`prepare`'s ``stream``
     streamed: Callable[[], Iterator[list]] | None = None
 
@@ -73,25 +75,29 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
     meta = dict(metadata or {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise TypeError("metadata must map str to str")
-    enc = Encoder(allow_pickle=allow_pickle)
-    root = enc.encode(obj)
+    if reuse_plan:  # (a training loop's saves: the tree of a structure saved before is reused)
+        root, storages, reused = encode_reusing(obj, allow_pickle)
+    else:
+        enc = Encoder(allow_pickle=allow_pickle)
+        root, storages, reused = enc.encode(obj), enc.storages, None
     planner = Planner(codec, transform, chunk_size, level, device, portable, storage_gbps)
     if not reuse_plan:  # (a reused plan needs no estimates)
-        planner.estimate_ahead(enc.storages)
+        planner.estimate_ahead(storages)
     try:
         if window is None:
             window = (gpu_window(scratch_heavy=planner.scratch_heavy) if planner.dev == "cuda"
                       else CPU_FILE_WINDOW if stream else DEFAULT_WINDOW)
         ref_tfs: dict = {}
         grid: dict = {}
+        memo = reused.memo if reused else None  # (what the tree's structure alone decides)
         if derive and transform == "auto":
             from .engine.refplan import find_derived, find_expgrid, find_expref
-            ref_tfs.update(find_derived(enc.storages, reuse=reuse_plan))
-            if any(r.elem == "float32" for r in enc.storages):  # (Adam's moments in float32 only: the
-                from .tree import tensor_keys                    # keys cost 13 us per tensor)
-                keys = tensor_keys(root, escaped=False)[0]
-                ref_tfs.update(find_expref(root, enc.storages, skip=set(ref_tfs), keys=keys))
-                grid = find_expgrid(root, enc.storages, skip=set(ref_tfs), keys=keys, reuse=reuse_plan)
+            ref_tfs.update(find_derived(storages, reuse=reuse_plan, memo=memo))
+            if any(r.elem == "float32" for r in storages):  # (Adam's moments in float32 only: the
+                # keys cost 13 us per tensor)
+                keys = memoized(memo, "keys", None, lambda: tensor_keys(root, escaped=False)[0])
+                ref_tfs.update(find_expref(root, storages, skip=set(ref_tfs), keys=keys, memo=memo))
+                grid = find_expgrid(root, storages, skip=set(ref_tfs), keys=keys, reuse=reuse_plan, memo=memo)
         alt: dict = {}
         bases = None
         if base is not None:
@@ -100,7 +106,7 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
             base = os.fspath(base)
             with CheckpointReader(base) as br:
                 bases = [record_for(br, base, target)]
-                cands = delta_candidates(root, enc.storages, br, skip=set(ref_tfs))
+                cands = delta_candidates(root, storages, br, skip=set(ref_tfs))
                 base_storages = br.storages
                 ref_tfs.update(cands)
         for i, g in grid.items():  # Adam's v: expgrid, or the better of delta and expgrid
@@ -108,18 +114,18 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
                 alt[i] = g
             else:
                 ref_tfs[i] = g
-        total = sum(r.data.numel() for r in enc.storages)
+        total = sum(r.data.numel() for r in storages)
         if stream and planner.dev in STREAM_DEVICES and not reuse_plan and base is None and not alt:
-            plans: list = [None] * len(enc.storages)
+            plans: list = [None] * len(storages)
             planner.hold_rot16()  # one choice for all batches
-            return SaveJob(root, meta, enc.storages, plans, None, total, None,
-                           streamed=lambda: _planned_groups(planner, enc.storages, plans, window, ref_tfs))
-        plans = planner.plan_all(enc.storages, window, reuse_plan, ref_tfs, alt)
+            return SaveJob(root, meta, storages, plans, None, total, None,
+                           streamed=lambda: _planned_groups(planner, storages, plans, window, ref_tfs))
+        plans = planner.plan_all(storages, window, reuse_plan, ref_tfs, alt, memo=memo)
         if bases is not None:  # where the base storages the chosen deltas need are (not every candidate's)
             add_hints(bases[0], base_storages, [p.ref.storage for p in plans if p.ref is not None and p.ref.against_base])
-        units = [u for i, (ref, plan) in enumerate(zip(enc.storages, plans))
+        units = [u for i, (ref, plan) in enumerate(zip(storages, plans))
                  for u in units_of(i, ref.data, plan, window)]
-        return SaveJob(root, meta, enc.storages, plans, list(groups(units, window)), total, bases)
+        return SaveJob(root, meta, storages, plans, list(groups(units, window)), total, bases, reused)
     finally:  # (estimates started ahead are waited for or cancelled, whatever happens)
         planner.settle()
 
@@ -229,10 +235,10 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
                 first += count
             pos = w.pos
             doc = {"format": "ckz", "version": [1, minor], "created_by": f"ckptzip {__version__}",
-                   "meta": prep.meta, "n_chunks": len(rows), "storages": entries, "root": prep.root}
+                   "meta": prep.meta, "n_chunks": len(rows), "storages": entries}
             if prep.bases:
                 doc["bases"] = prep.bases
-            manifest = pack_manifest(doc, rows)
+            manifest = pack_manifest(doc, rows, root_json(prep.root, prep.reused))
             f.write(manifest)
             f.write(pack_footer(pos, manifest))
             if streamed:

@@ -8,14 +8,17 @@ import json
 import math
 import pickle
 import struct
+import threading
 import warnings
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from .errors import CorruptFileError, PickleNotAllowedError, UnsupportedObjectError
+from .format import dump_json
 from .validate import MAX_DEPTH, MAX_INT_DIGITS, dec_to_int, int_to_dec
 
 def _usable(d: torch.dtype) -> bool:
@@ -168,9 +171,9 @@ class Encoder:
             if obj.bit_length() > MAX_INT_DIGITS * 3.3219:  # more digits than any reader accepts
                 raise UnsupportedObjectError(f"ints of more than {MAX_INT_DIGITS} decimal digits are "
                                              f"not supported")
-            return {"t": "int", "v": int_to_dec(obj)}  # not limited by sys.set_int_max_str_digits
+            return _int_node(obj)
         if type(obj) is float:
-            return {"t": "float", "v": struct.pack("<d", obj).hex()}
+            return _float_node(_PACK_F64(obj))
         if type(obj) in (dict, collections.OrderedDict):
             tag = "dict" if type(obj) is dict else "odict"
             return {"t": tag, "k": [k if type(k) is str else self._key(k) for k in obj],
@@ -204,6 +207,235 @@ class Encoder:
         if self.allow_pickle:
             return self.encode(k)
         raise UnsupportedObjectError(f"dict keys of type {type(k).__name__} are not supported")
+
+
+_PACK_F64 = struct.Struct("<d").pack
+
+
+def _int_node(v: int) -> dict:
+    return {"t": "int", "v": int_to_dec(v)}  # (not limited by sys.set_int_max_str_digits)
+
+
+def _float_node(packed: bytes) -> dict:
+    return {"t": "float", "v": packed.hex()}
+
+
+# -- saving one structure again and again ------------------------------------------------------
+#
+# A training loop saves the same structure at every checkpoint: the same containers and keys,
+# tensors of the same dtypes, shapes and strides sharing storages the same way; only tensor
+# data and a few scalars (step counters, learning rates) change. :func:`encode_reusing` walks
+# the object once, collecting what the tree depends on (its *signature*) and the storages, and
+# when the signature is one it has encoded before it reuses that tree (the scalars refilled)
+# instead of building every node again. Values computed from the tree's structure alone
+# (tensor keys, the tree's JSON around its scalars) are kept with it (``memo``).
+
+#: the layouts of the last saves, most recently used last (a few: a job may save two states
+#: in turn, a model and its EMA)
+_LAYOUTS: list = []
+_LAYOUTS_LOCK = threading.Lock()
+MAX_LAYOUTS = 4
+#: ints up to this many bits are taken by the walk (larger ones: the full encoder's checks)
+_WALK_INT_BITS = 63
+
+
+class _Layout:
+    """One structure as encoded: its signature, the last tree with its scalars, and ``memo``."""
+    __slots__ = ("sig", "root", "vals", "memo")
+
+    def __init__(self, sig: list, root: Any, vals: list) -> None:
+        self.sig, self.root, self.vals, self.memo = sig, root, vals, {}
+
+
+@dataclass
+class Reused:
+    """What :func:`encode_reusing` knows about a tree it encoded: ``memo`` (shared by every
+    save of the structure; values that depend on the structure alone) and the scalars, in
+    encoding order (floats as their 8 little-endian bytes)."""
+    memo: dict
+    vals: list
+
+
+def memoized(memo: dict | None, name: str, arg: Any, make: Callable[[], Any]) -> Any:
+    """``make()``, or the value made for an equal ``arg`` by the last save of the same tree
+    structure (``memo``: :attr:`Reused.memo`, or None: nothing kept). Only for values that
+    depend on the structure alone: the tensors' keys, dtypes, shapes and strides, and the
+    storages' sizes, element types and devices (never on tensor data or addresses)."""
+    if memo is None:
+        return make()
+    got = memo.get(name)
+    if got is not None and got[0] == arg:
+        return got[1]
+    value = make()
+    memo[name] = (arg, value)
+    return value
+
+
+def _walk_object(obj: Any) -> tuple[list, list, list[StorageRef]] | None:
+    """``(signature, scalars, storages)`` of ``obj`` as :class:`Encoder` would store it, or None
+    for anything but the common shapes (dicts and ordered dicts with str or int keys, lists,
+    tuples, dense tensors and parameters, None, bools, strs, ints, floats): those go through
+    :class:`Encoder` alone. The signature holds every container's type, length and keys, every
+    scalar's type and every tensor's class, requires_grad, dtype, device, shape, stride, offset,
+    storage index and storage size: equal signatures encode to equal trees except for the
+    scalars, and to storages of equal sizes, element types and devices."""
+    sig: list = []
+    vals: list = []
+    storages: list[StorageRef] = []
+    index: dict = {}
+    empty: dict = {}
+    put, val = sig.append, vals.append
+    stack: list = [(obj, 0)]
+    pop, push = stack.pop, stack.extend
+    while stack:
+        o, depth = pop()
+        tp = type(o)
+        if tp is torch.Tensor or tp is torch.nn.Parameter:
+            dev = o.device
+            rg = o.requires_grad
+            if tp is not torch.Tensor:
+                o = o.data
+            if (o.layout is not torch.strided or dev.type not in ("cpu", "cuda") or o.is_quantized
+                    or o.is_conj() or o.is_neg()):
+                return None
+            dt = o.dtype
+            st = o.untyped_storage()
+            nb = st.nbytes()
+            key = (dev, st.data_ptr(), nb) if nb else (dev, -len(storages), 0)
+            idx = index.get(key)
+            if idx is None:
+                name = _DTYPE_NAMES.get(dt)
+                if name is None:
+                    if str(dt).removeprefix("torch.") not in DTYPES:
+                        return None  # (the encoder names the error)
+                    name = dtype_name(dt)
+                e = empty.get(dev)
+                if e is None:
+                    e = empty[dev] = torch.empty(0, dtype=torch.uint8, device=dev)
+                idx = index[key] = len(storages)
+                storages.append(StorageRef(e.detach().set_(st), name, _device_name(dev), _float_width(dt)))
+            put((tp, rg, dt, dev, o.shape, o.stride(), o.storage_offset(), idx, nb))
+        elif o is None or tp is bool or tp is str:
+            put(tp)
+            val(o)
+        elif tp is int:
+            if o.bit_length() > _WALK_INT_BITS:
+                return None
+            put(tp)
+            val(o)
+        elif tp is float:
+            put(tp)
+            val(_PACK_F64(o))
+        elif depth >= MAX_DEPTH:
+            return None  # (the encoder names the error; a cycle ends here too)
+        elif tp is dict or tp is collections.OrderedDict:
+            put((tp, len(o)))
+            for k in o:
+                tk = type(k)
+                if tk is str:
+                    put(k)
+                elif tk is int and k.bit_length() <= _WALK_INT_BITS:
+                    put((tk, k))
+                else:
+                    return None
+            d = depth + 1
+            push([(v, d) for v in reversed(o.values())])
+        elif tp is list or tp is tuple:
+            put((tp, len(o)))
+            d = depth + 1
+            push([(v, d) for v in reversed(o)])
+        else:
+            return None
+    return sig, vals, storages
+
+
+def _refill(n: Any, vals) -> Any:
+    """A copy of tree ``n`` with its scalars taken in turn from iterator ``vals`` (containers
+    copied, tensor nodes and key lists shared)."""
+    if type(n) is dict:
+        t = n["t"]
+        if t == "tensor":
+            return n
+        if t == "dict" or t == "odict":
+            return {"t": t, "k": n["k"], "v": [_refill(v, vals) for v in n["v"]]}
+        if t == "list" or t == "tuple":
+            return {"t": t, "v": [_refill(v, vals) for v in n["v"]]}
+    v = next(vals)  # a scalar's place: its node now
+    return _float_node(v) if type(v) is bytes else _int_node(v) if type(v) is int else v
+
+
+def _same_storages(a: list[StorageRef], b: list[StorageRef]) -> bool:
+    return len(a) == len(b) and all(
+        x.data.data_ptr() == y.data.data_ptr() and x.data.numel() == y.data.numel() and x.elem == y.elem
+        and x.device == y.device and x.float_width == y.float_width for x, y in zip(a, b))
+
+
+def encode_reusing(obj: Any, allow_pickle: bool = False) -> tuple[Any, list[StorageRef], Reused | None]:
+    """``(root, storages, reused)``: the tree and storages :class:`Encoder` makes of ``obj``,
+    reusing the tree of an earlier call with the same structure (see above; ``reused`` None:
+    ``obj`` has a shape the walk leaves to the encoder). The tree returned may be shared with
+    other saves: it must not be modified."""
+    got = _walk_object(obj)
+    if got is None:
+        enc = Encoder(allow_pickle=allow_pickle)
+        return enc.encode(obj), enc.storages, None
+    sig, vals, storages = got
+    with _LAYOUTS_LOCK:
+        lay = next((x for x in reversed(_LAYOUTS) if x.sig == sig), None)
+        if lay is not None:
+            _LAYOUTS.remove(lay)
+            _LAYOUTS.append(lay)
+            if lay.vals != vals:  # (the same structure, new scalars: a new tree, its nodes shared)
+                lay.root, lay.vals = _refill(lay.root, iter(vals)), vals
+            return lay.root, storages, Reused(lay.memo, vals)
+    enc = Encoder(allow_pickle=allow_pickle)
+    root = enc.encode(obj)
+    if not _same_storages(enc.storages, storages):  # (never expected: then nothing is kept)
+        return root, enc.storages, None
+    lay = _Layout(sig, root, vals)
+    with _LAYOUTS_LOCK:
+        _LAYOUTS.append(lay)
+        del _LAYOUTS[:-MAX_LAYOUTS]
+    return root, storages, Reused(lay.memo, vals)
+
+
+#: a scalar's place in :func:`root_json`'s template (the template is used only where its JSON
+#: text appears once per scalar: never where the tree's own strs hold it)
+_HOLE = "\x00ckptzip-scalar\x00"
+
+
+def _scalar_json(v: Any) -> str:
+    if type(v) is bytes:
+        return '{"t":"float","v":"' + v.hex() + '"}'
+    if type(v) is int:
+        return '{"t":"int","v":"' + int_to_dec(v) + '"}'
+    return json.dumps(v)  # (None, bools, strs: as the manifest's json.dumps writes them)
+
+
+def root_json(root: Any, reused: Reused | None) -> str:
+    """The tree's JSON as :func:`~ckptzip.format.pack_manifest` writes it (compact, ASCII):
+    for a reused structure from its template (the JSON around its scalars, made once), else
+    ``json.dumps``."""
+    if reused is None:
+        return dump_json(root)
+    memo = reused.memo
+    last = memo.get("json")
+    if last is not None and last[0] == reused.vals:
+        return last[1]
+    parts = memo.get("template")
+    if parts is None:
+        parts = dump_json(_refill(root, iter([_HOLE] * len(reused.vals)))).split(json.dumps(_HOLE))
+        memo["template"] = parts = parts if len(parts) == len(reused.vals) + 1 else False
+    if parts is False:  # (a tree whose strs hold the hole's text)
+        text = dump_json(root)
+    else:
+        out = [parts[0]]
+        for v, p in zip(reused.vals, parts[1:]):
+            out.append(_scalar_json(v))
+            out.append(p)
+        text = "".join(out)
+    memo["json"] = (reused.vals, text)
+    return text
 
 
 def _bad(msg: str) -> CorruptFileError:

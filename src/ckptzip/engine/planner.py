@@ -25,7 +25,7 @@ from ..codecs.base import MAX_CHUNK, Codec, get_codec
 from ..errors import UnknownCodecError
 from ..kernels import rot16_ready, triton_kernels
 from ..transforms import BytePlane
-from ..tree import StorageRef
+from ..tree import StorageRef, memoized
 from . import refplan
 from .encode import encode_group_arrays
 from .plan import DEFAULT_CHUNK, Plan, Unit, groups, units_of, with_ref
@@ -311,17 +311,18 @@ class Planner:
         return plan, variants
 
     def plan_all(self, refs: list[StorageRef], window: int, reuse: bool = False,
-                 ref_tfs: dict | None = None, alt_tfs: dict | None = None) -> list[Plan]:
+                 ref_tfs: dict | None = None, alt_tfs: dict | None = None, memo: dict | None = None) -> list[Plan]:
         """Plans for every storage. With ``reuse``, the sampled decisions are remembered for the
         same checkpoint layout and options (a training loop saves the same structure again and
         again, with slowly changing statistics), so only the first save of a run pays for
-        sampling."""
+        sampling. ``memo``: the tree structure's (:attr:`ckptzip.tree.Reused.memo`), where the
+        storages' part of that layout's key is kept."""
         local_only = not any(rt.against_base for rt in (ref_tfs or {}).values())
         if not reuse or not local_only or alt_tfs:  # delta/xor: sampled against this save's base, never cached
             return self._plan_all(refs, window, ref_tfs, alt_tfs)
         key = (repr(sorted(self.cfg.items())), self.transform, self.chunk_size, self.level, self.dev,
                self.portable, self.slow_storage, window, self._rot16(),
-               tuple((r.data.numel(), r.elem, r.float_width) for r in refs),
+               memoized(memo, "plan_refs", None, lambda: tuple((r.data.numel(), r.elem, r.float_width) for r in refs)),
                tuple(sorted((i, rt.layout_key()) for i, rt in (ref_tfs or {}).items())))
         with _PLAN_LOCK:
             cached = _PLAN_CACHE.get(key)

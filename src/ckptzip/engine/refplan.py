@@ -24,7 +24,7 @@ import torch
 
 from .. import native
 from ..transforms.refs import Derived, ExpGrid, ExpRef, RefTransform, cast16
-from ..tree import StorageRef, contiguous_stride, tensor_keys
+from ..tree import StorageRef, contiguous_stride, memoized, tensor_keys
 from .plan import Plan
 
 #: a derived storage may differ from the cast of its source in at most this share of elements
@@ -83,16 +83,16 @@ def _probes_hold(refs: list[StorageRef], pairs: list[tuple[int, int, str]]) -> b
     return all(bool(torch.stack(xs).all()) for xs in oks.values())
 
 
-def find_derived(refs: list[StorageRef], reuse: bool = False) -> dict[int, Derived]:
+def find_derived(refs: list[StorageRef], reuse: bool = False, memo: dict | None = None) -> dict[int, Derived]:
     """Storage index -> bound ``derived`` transform, for every 16-bit float storage that is a cast
     of a float32 storage of the same state (up to :data:`MAX_EXCEPTIONS`). With ``reuse``, the
     pairs found for the same layout before (a training loop saves the same state again and
     again) are kept when their sampled elements still match, without verifying every element,
     :data:`PROBE_PAIRS` of them per save in turn: the residual is exact whatever the copy holds,
     so a pair that drifted costs size, never data, until its turn comes (then all are looked
-    for again)."""
+    for again). ``memo``: see :func:`~ckptzip.tree.memoized`."""
     if reuse:
-        key = _layout(refs)
+        key = memoized(memo, "layout", None, lambda: _layout(refs))
         with _PAIRS_LOCK:
             pairs = _PAIRS.get(key)
             at = _TURN.get(key, 0) % len(pairs) if pairs else 0
@@ -188,14 +188,21 @@ def _mismatches_many(refs: list[StorageRef], pairs: list[tuple[int, int, str]]) 
 _EXP_AVG = re.compile(r"(.*\.)?exp_avg(@[0-9,]*)?\Z", re.S)
 
 
-def find_expref(root, refs: list[StorageRef], skip: set, keys: dict | None = None) -> dict[int, ExpRef]:
+def find_expref(root, refs: list[StorageRef], skip: set, keys: dict | None = None,
+                memo: dict | None = None) -> dict[int, ExpRef]:
     """Storage index -> bound ``expref`` candidate, for every float32 first moment of Adam
     (key ``...exp_avg``) whose second moment (the key with ``exp_avg_sq``) is a float32 storage
     of the same size: the planner samples each and keeps it only where it pays. Pairs are found
     by key alone (no GPU work); storages in ``skip`` already have a reference. ``keys``:
-    :func:`~ckptzip.tree.tensor_keys` of ``root`` if the caller has them."""
+    :func:`~ckptzip.tree.tensor_keys` of ``root`` if the caller has them; ``memo``: see
+    :func:`~ckptzip.tree.memoized`."""
+    pairs = memoized(memo, "expref", frozenset(skip), lambda: _expref_pairs(root, refs, skip, keys))
+    return {i: ExpRef(k).bind(refs[k].data) for i, k in pairs}
+
+
+def _expref_pairs(root, refs: list[StorageRef], skip: set, keys: dict | None) -> list[tuple[int, int]]:
     keys = keys if keys is not None else tensor_keys(root, escaped=False)[0]
-    found: dict[int, ExpRef] = {}
+    found: dict[int, int] = {}
     for key, node in keys.items():
         m = _EXP_AVG.match(key)
         if m is None or node.get("t") != "tensor":
@@ -209,8 +216,8 @@ def find_expref(root, refs: list[StorageRef], skip: set, keys: dict | None = Non
         a, b = refs[i], refs[k]
         if a.elem == b.elem == "float32" and a.data.numel() == b.data.numel() and a.data.numel() % 4 == 0 \
                 and a.data.numel() and a.data.device == b.data.device:
-            found[i] = ExpRef(k).bind(b.data)
-    return found
+            found[i] = k
+    return list(found.items())
 
 
 #: a key of Adam's second moment (``....exp_avg_sq``, optionally ``@offsets``)
@@ -225,30 +232,17 @@ REFIT_EVERY = 4
 
 
 def find_expgrid(root, refs: list[StorageRef], skip: set, keys: dict | None = None,
-                 reuse: bool = False) -> dict[int, ExpGrid]:
+                 reuse: bool = False, memo: dict | None = None) -> dict[int, ExpGrid]:
     """Storage index -> fitted ``expgrid`` candidate, for every float32 second moment of Adam
     (key ``...exp_avg_sq``) held by a contiguous tensor of two or more dimensions that covers
     its whole storage (rows = first dimension). The fit reads the storage once on its device;
     the planner samples each candidate and keeps it only where it pays. With ``reuse``, the fits
     made for the same layout by one of the last REFIT_EVERY saves are taken again (no fit: no
-    pass over the storages, no device sync)."""
-    keys = keys if keys is not None else tensor_keys(root, escaped=False)[0]
-    found: dict[int, tuple] = {}
-    for key, node in keys.items():
-        if _EXP_AVG_SQ.match(key) is None or node.get("t") != "tensor" or node.get("dtype") != "float32":
-            continue
-        i, shape, stride = node.get("s"), node.get("shape"), node.get("stride")
-        if i in skip or i in found or not isinstance(shape, list) or len(shape) < 2:
-            continue
-        numel = int(np.prod(shape, dtype=np.int64))
-        r = refs[i]
-        if (r.elem != "float32" or stride != contiguous_stride(shape) or node.get("offset", 0) != 0
-                or numel * 4 != r.data.numel() or shape[0] < 2 or numel // shape[0] < 2):
-            continue
-        found[i] = (r.data, shape[0], numel // shape[0])
-    if not found:
+    pass over the storages, no device sync). ``memo``: see :func:`~ckptzip.tree.memoized`."""
+    cands, key = memoized(memo, "expgrid", frozenset(skip), lambda: _expgrid_candidates(root, refs, skip, keys))
+    if not cands:
         return {}
-    key = tuple((i, str(d.device), d.numel(), rows, cols) for i, (d, rows, cols) in found.items())
+    found = {i: (refs[i].data, rows, cols) for i, rows, cols in cands}
     if reuse:
         with _PAIRS_LOCK:
             got = _GRIDS.get(key)
@@ -263,6 +257,26 @@ def find_expgrid(root, refs: list[StorageRef], skip: set, keys: dict | None = No
             while len(_GRIDS) > 8:
                 _GRIDS.popitem(last=False)
     return dict(zip(found, fits))
+
+
+def _expgrid_candidates(root, refs: list[StorageRef], skip: set, keys: dict | None) -> tuple[list, tuple]:
+    """``([(storage, rows, cols)], key of the fits in _GRIDS)`` for :func:`find_expgrid`."""
+    keys = keys if keys is not None else tensor_keys(root, escaped=False)[0]
+    found: dict[int, tuple] = {}
+    for key, node in keys.items():
+        if _EXP_AVG_SQ.match(key) is None or node.get("t") != "tensor" or node.get("dtype") != "float32":
+            continue
+        i, shape, stride = node.get("s"), node.get("shape"), node.get("stride")
+        if i in skip or i in found or not isinstance(shape, list) or len(shape) < 2:
+            continue
+        numel = int(np.prod(shape, dtype=np.int64))
+        r = refs[i]
+        if (r.elem != "float32" or stride != contiguous_stride(shape) or node.get("offset", 0) != 0
+                or numel * 4 != r.data.numel() or shape[0] < 2 or numel // shape[0] < 2):
+            continue
+        found[i] = (shape[0], numel // shape[0])
+    return ([(i, rows, cols) for i, (rows, cols) in found.items()],
+            tuple((i, refs[i].device, refs[i].data.numel(), rows, cols) for i, (rows, cols) in found.items()))
 
 
 def derived_plan(plan: Plan, ref: Derived) -> Plan:
