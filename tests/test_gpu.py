@@ -282,8 +282,8 @@ def _adam_state():
 def test_snapshot_launch_policy_writes_the_same_bytes(tmp_path, monkeypatch, chunk_size):
     """An async snapshot's encoding (``large_alone=False``: large storages in the multi-segment
     launches) packs exactly the bytes and rows of a save's (one-storage kernels), and the small
-    units without a transform copied by one ``copy_segments`` launch exactly what torch's
-    copies give where that kernel is unavailable. Large storages join the multi-segment launches
+    units without a transform (on the GPU, or on the host and uploaded together) copied by one
+    ``copy_segments`` launch exactly what torch's copies give where that kernel is unavailable. Large storages join the multi-segment launches
     only with ``large_alone=False``; a kernel that raises turns its family off, and the torch way
     writes the same bytes."""
     from ckptzip.engine import encode as enc_mod, gather_gpu
@@ -298,6 +298,8 @@ def test_snapshot_launch_policy_writes_the_same_bytes(tmp_path, monkeypatch, chu
     gpu = [g for g in prep.groups if g[0].plan.codec.device == "cuda"]
     assert any(u.data.numel() >= MULTI_MAX for g in gpu for u in g)
     assert sum(u.plan.transform is None and 0 < u.data.numel() < MULTI_MAX for g in gpu for u in g) >= 5
+    # host units in GPU groups (Adam's step counters), uploaded together for the copy kernel
+    assert sum(u.plan.transform is None and u.data.device.type == "cpu" for g in gpu for u in g) >= 2
 
     def packed(grp, **kw):
         buf, rows = gather_gpu(enc_mod.encode_group_arrays(grp, **kw))
