@@ -125,3 +125,22 @@ def test_async_saves_of_one_structure_hold_each_saves_values(tmp_path):
         obj = {"model": {"w": w}, "step": step, "lr": 0.1 / (step + 1), "tag": f"s{step}"}
         ckptzip.async_save(obj, tmp_path / f"{step}.ckz", fsync=False).wait()
         assert_same(ckptzip.load(tmp_path / f"{step}.ckz"), obj)
+
+
+def test_an_object_changed_while_encoded_is_not_kept(monkeypatch):
+    """The first save of a structure keeps its tree only if the object is the same after the
+    encoder ran (another thread may set a step counter meanwhile)."""
+    obj = {"w": torch.ones(2), "step": 1, "tag": "changing"}
+    real = tree.Encoder.encode
+
+    def encode_then_change(self, o, depth=0):
+        out = real(self, o, depth)
+        if not depth:
+            obj["step"] += 1
+        return out
+    monkeypatch.setattr(tree.Encoder, "encode", encode_then_change)
+    root, _, reused = tree.encode_reusing(obj)
+    assert reused is None and root["v"][1] == {"t": "int", "v": "1"}
+    monkeypatch.undo()
+    check_same(obj)  # (step 2: encoded afresh, not the tree that says 1)
+    check_same(obj)

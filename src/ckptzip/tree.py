@@ -390,12 +390,18 @@ def encode_reusing(obj: Any, allow_pickle: bool = False) -> tuple[Any, list[Stor
             return lay.root, storages, Reused(lay.memo, vals)
     enc = Encoder(allow_pickle=allow_pickle)
     root = enc.encode(obj)
-    if not _same_storages(enc.storages, storages):  # (never expected: then nothing is kept)
+    # kept only if the object did not change while it was encoded (another thread setting a
+    # step counter, a tensor resized in place): the tree is then the signature's and the
+    # scalars' for as long as it is reused
+    again = _walk_object(obj)
+    if again is None or again[0] != sig or again[1] != vals or not _same_storages(enc.storages, storages):
         return root, enc.storages, None
-    lay = _Layout(sig, root, vals)
     with _LAYOUTS_LOCK:
-        _LAYOUTS.append(lay)
-        del _LAYOUTS[:-MAX_LAYOUTS]
+        lay = next((x for x in _LAYOUTS if x.sig == sig), None)  # (another thread's save of it)
+        if lay is None:
+            lay = _Layout(sig, root, vals)
+            _LAYOUTS.append(lay)
+            del _LAYOUTS[:-MAX_LAYOUTS]
     return root, storages, Reused(lay.memo, vals)
 
 
@@ -419,23 +425,17 @@ def root_json(root: Any, reused: Reused | None) -> str:
     if reused is None:
         return dump_json(root)
     memo = reused.memo
-    last = memo.get("json")
-    if last is not None and last[0] == reused.vals:
-        return last[1]
     parts = memo.get("template")
     if parts is None:
         parts = dump_json(_refill(root, iter([_HOLE] * len(reused.vals)))).split(json.dumps(_HOLE))
         memo["template"] = parts = parts if len(parts) == len(reused.vals) + 1 else False
     if parts is False:  # (a tree whose strs hold the hole's text)
-        text = dump_json(root)
-    else:
-        out = [parts[0]]
-        for v, p in zip(reused.vals, parts[1:]):
-            out.append(_scalar_json(v))
-            out.append(p)
-        text = "".join(out)
-    memo["json"] = (reused.vals, text)
-    return text
+        return dump_json(root)
+    out = [parts[0]]
+    for v, p in zip(reused.vals, parts[1:]):
+        out.append(_scalar_json(v))
+        out.append(p)
+    return "".join(out)
 
 
 def _bad(msg: str) -> CorruptFileError:

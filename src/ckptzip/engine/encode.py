@@ -22,9 +22,10 @@ from .plan import Unit, codec_calls
 #: loop on the encoding thread, one C call each: the general path (checks, the pool's runs) cost
 #: about 30 us per unit, more than the work for a model's norms, biases and counters
 SMALL_PLANES = 64 << 10
-#: host units without a transform up to this size in a GPU group are uploaded together (see
-#: encode_group_arrays): an optimizer's step counters, a model's small buffers kept on the CPU
-HOSTED_MAX = 64 << 10
+#: host units without a transform in a GPU group are uploaded together up to this many bytes
+#: (see encode_group_arrays): an optimizer's step counters, a model's small buffers kept on the
+#: CPU (an upload from pageable memory this small returns at once)
+HOSTED_MAX = 256 << 10
 #: larger CPU units are transformed in pieces of this many bytes (see encode_group_arrays)
 TF_PIECE = 1 << 20
 #: host tensors are moved to the GPU and transformed in slices of this size (whole transform
@@ -141,6 +142,7 @@ def encode_group_arrays(units: list[Unit], checksums: bool = True, large_alone: 
     # and placed by the same launch (a pinned slice, a copy and an upload each cost the host
     # about 15 us per unit, for 149 of the GPU benchmark's)
     hosted: list[tuple[int, torch.Tensor]] = []
+    hosted_bytes = 0
     pos = 0
     for u, data, fz, mk in zip(units, datas, fused, multi):
         n = data.numel()
@@ -154,18 +156,22 @@ def encode_group_arrays(units: list[Unit], checksums: bool = True, large_alone: 
             if tk is not None and u.plan.transform is None and n < MULTI_MAX and data.device == here:
                 plain.append((data.data_ptr(), pos, n))
                 plain_steps.append((u, data, fz, pos))
-            elif tk is not None and u.plan.transform is None and n < HOSTED_MAX and data.device.type == "cpu":
+            elif (tk is not None and u.plan.transform is None and data.device.type == "cpu"
+                  and hosted_bytes + ceil_align(n) <= HOSTED_MAX):
                 hosted.append((pos, data))
+                hosted_bytes += ceil_align(n)
                 plain_steps.append((u, data, fz, pos))
             else:
                 steps(u, data, fz, pos)
         pos += ceil_align(n)
-    if hosted:  # one upload from pageable memory (no pinned buffer, no wait for it later)
-        up = torch.cat([d for _p, d in hosted]).to(here, non_blocking=True)
-        at = up.data_ptr()
+    if hosted:  # one small upload from pageable memory (no pinned buffer, no wait for it later)
+        pad = np.zeros(16, dtype=np.uint8)
+        parts = [x for _p, d in hosted for x in (d.numpy(), pad[:ceil_align(d.numel()) - d.numel()])]
+        up = torch.from_numpy(np.concatenate(parts)).to(here, non_blocking=True)
+        at = up.data_ptr()  # (each piece 16-byte aligned there, as in the stream: the kernel's wide copies)
         for p, d in hosted:
             plain.append((at, p, d.numel()))
-            at += d.numel()
+            at += ceil_align(d.numel())
     if plain:
         addr, at, lens = np.asarray(plain, dtype=np.int64).T
         if not launch("encode_multi", tk.copy_segments, stream, addr - stream.data_ptr(), stream, at, lens):
