@@ -10,8 +10,8 @@ import pickle
 import struct
 import threading
 import warnings
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
