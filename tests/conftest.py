@@ -1,3 +1,4 @@
+import collections
 import os
 import struct
 
@@ -154,3 +155,18 @@ class FusedSpy:
                 return f(src, items, order, counter)
             return many
         return f
+
+
+def nested(leaves, max_leaves: int):
+    """A hypothesis strategy: trees of ``leaves`` in lists, tuples, dicts (str and int keys) and
+    OrderedDicts."""
+    from hypothesis import strategies as st
+    return st.recursive(
+        leaves,
+        lambda ch: st.one_of(
+            st.lists(ch, max_size=4), st.lists(ch, max_size=4).map(tuple),
+            st.dictionaries(st.one_of(st.text(max_size=5), st.integers(-5, 1000)), ch, max_size=4),
+            st.dictionaries(st.text(max_size=5), ch, max_size=3).map(collections.OrderedDict),
+        ),
+        max_leaves=max_leaves,
+    )

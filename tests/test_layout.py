@@ -11,7 +11,7 @@ import ckptzip
 from ckptzip import tree
 from ckptzip.errors import UnsupportedObjectError
 from ckptzip.format import dump_json
-from conftest import assert_same
+from conftest import assert_same, nested
 
 _BASE = torch.arange(64, dtype=torch.float32)
 #: tensors a tree may hold: some share a storage, one is a view, one a parameter
@@ -26,15 +26,7 @@ leaves = st.one_of(
     st.text(max_size=8) | st.sampled_from([tree._HOLE, '"' + tree._HOLE, tree._HOLE + "x"]),
     st.sampled_from(range(len(POOL))).map(lambda i: ("tensor", i)),
 )
-trees = st.recursive(
-    leaves,
-    lambda ch: st.one_of(
-        st.lists(ch, max_size=4), st.lists(ch, max_size=4).map(tuple),
-        st.dictionaries(st.one_of(st.text(max_size=5), st.integers(-5, 1000)), ch, max_size=4),
-        st.dictionaries(st.text(max_size=5), ch, max_size=3).map(collections.OrderedDict),
-    ),
-    max_leaves=20,
-)
+trees = nested(leaves, max_leaves=20)
 
 
 def build(t, tensors: dict, change: int = 0):

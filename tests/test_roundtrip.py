@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import ckptzip
 from ckptzip.tree import DTYPES
-from conftest import assert_same, same_bits
+from conftest import assert_same, nested, same_bits
 
 ALL_DTYPES = sorted(DTYPES.values(), key=str)
 CPU_CODECS = ["raw", "zstd", "deflate", "auto"]
@@ -64,15 +64,7 @@ leaves = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**200), 2**200), st.floats(allow_nan=True),
     st.text(max_size=20), st.binary(max_size=40),
 )
-trees = st.recursive(
-    leaves,
-    lambda ch: st.one_of(
-        st.lists(ch, max_size=4), st.lists(ch, max_size=4).map(tuple),
-        st.dictionaries(st.one_of(st.text(max_size=5), st.integers(-5, 1000)), ch, max_size=4),
-        st.dictionaries(st.text(max_size=5), ch, max_size=3).map(collections.OrderedDict),
-    ),
-    max_leaves=25,
-)
+trees = nested(leaves, max_leaves=25)
 
 
 @settings(max_examples=80, deadline=None)
