@@ -283,9 +283,9 @@ def test_snapshot_launch_policy_writes_the_same_bytes(tmp_path, monkeypatch, chu
     """An async snapshot's encoding (``large_alone=False``: large storages in the multi-segment
     launches) packs exactly the bytes and rows of a save's (one-storage kernels), and the small
     units without a transform (on the GPU, or on the host and uploaded together) copied by one
-    ``copy_segments`` launch exactly what torch's copies give where that kernel is unavailable. Large storages join the multi-segment launches
-    only with ``large_alone=False``; a kernel that raises turns its family off, and the torch way
-    writes the same bytes."""
+    ``copy_segments`` launch exactly what torch's copies give where that kernel is unavailable.
+    Large storages join the multi-segment launches only with ``large_alone=False``; a kernel
+    that raises turns its family off, and the torch way writes the same bytes."""
     from ckptzip.engine import encode as enc_mod, gather_gpu
     from ckptzip import kernels as kmod
     from ckptzip.kernels import MULTI_MAX, enabled, triton_kernels
