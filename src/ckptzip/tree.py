@@ -281,9 +281,7 @@ def _walk_object(obj: Any) -> tuple[list, list, list[StorageRef]] | None:
     scalars, and to storages of equal sizes, element types and devices."""
     sig: list = []
     vals: list = []
-    storages: list[StorageRef] = []
-    index: dict = {}
-    empty: dict = {}
+    enc = Encoder()  # (its storages: deduplicated and indexed by the encoder's own rule)
     put, val = sig.append, vals.append
     stack: list = [(obj, 0)]
     pop, push = stack.pop, stack.extend
@@ -299,22 +297,13 @@ def _walk_object(obj: Any) -> tuple[list, list, list[StorageRef]] | None:
                     or o.is_conj() or o.is_neg()):
                 return None
             dt = o.dtype
-            st = o.untyped_storage()
-            nb = st.nbytes()
-            key = (dev, st.data_ptr(), nb) if nb else (dev, -len(storages), 0)
-            idx = index.get(key)
-            if idx is None:
-                name = _DTYPE_NAMES.get(dt)
-                if name is None:
-                    if str(dt).removeprefix("torch.") not in DTYPES:
-                        return None  # (the encoder names the error)
-                    name = dtype_name(dt)
-                e = empty.get(dev)
-                if e is None:
-                    e = empty[dev] = torch.empty(0, dtype=torch.uint8, device=dev)
-                idx = index[key] = len(storages)
-                storages.append(StorageRef(e.detach().set_(st), name, _device_name(dev), _float_width(dt)))
-            put((tp, rg, dt, dev, o.shape, o.stride(), o.storage_offset(), idx, nb))
+            name = _DTYPE_NAMES.get(dt)
+            if name is None:
+                if str(dt).removeprefix("torch.") not in DTYPES:
+                    return None  # (the encoder names the error)
+                name = dtype_name(dt)
+            idx = enc._storage(o, name, dev)
+            put((tp, rg, dt, dev, o.shape, o.stride(), o.storage_offset(), idx, enc.storages[idx].data.numel()))
         elif o is None or tp is bool or tp is str:
             put(tp)
             val(o)
@@ -346,7 +335,7 @@ def _walk_object(obj: Any) -> tuple[list, list, list[StorageRef]] | None:
             push([(v, d) for v in reversed(o)])
         else:
             return None
-    return sig, vals, storages
+    return sig, vals, enc.storages
 
 
 def _refill(n: Any, vals) -> Any:
