@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where first_save.json goes")
     ap.add_argument("--disk", default="/tmp/first_save", help="directory for the files")
     ap.add_argument("--reps", type=int, default=3, help="fresh processes per method (default 3)")
+    ap.add_argument("--only", default=None, help="comma-separated methods to run, e.g. "
+                    "'ckptzip.save,ckptzip.load' (default: all six; a load needs its save's file)")
     a = ap.parse_args()
     os.makedirs(a.disk, exist_ok=True)
     # ckptzip's bytecode compiled first, as pip does when it installs a package (torch's is): on a
@@ -88,6 +90,8 @@ def main() -> None:
         for method, f in (("torch.save", files["torch"]), ("ckptzip.save", files["ckptzip"]),
                           ("torch.load", files["torch"]), ("ckptzip.load", files["ckptzip"]),
                           ("ckptzip.save portable", files["portable"]), ("ckptzip.load portable", files["portable"])):
+            if a.only and method not in a.only.split(","):
+                continue
             r = run(method, f, env)
             res.setdefault(method, []).append(r["s"])
             mem.setdefault(method, []).append(r["gpu_mib"])

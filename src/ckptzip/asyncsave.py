@@ -39,7 +39,7 @@ import torch
 from .codecs.gpu import release_scratch
 from .kernels import HASH_MIN, enabled, launch, triton_kernels
 from .pipeline import prepare, write
-from .engine import DEFAULT_CHUNK, PINNED, encode_group_arrays, free_gpu_bytes, gather_gpu
+from .engine import DEFAULT_CHUNK, PINNED, encode_group_arrays, free_gpu_bytes, gather_gpu, pinned_empty
 
 
 class Arena:
@@ -59,7 +59,7 @@ class Arena:
         self._pos = 0
         if reserve > self.capacity:
             self._buf = None  # drop the old buffer before pinning the new one
-            self._buf = torch.empty(reserve, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            self._buf = pinned_empty(reserve)
 
     def take(self, n: int) -> torch.Tensor:
         with self._lock:
@@ -67,7 +67,7 @@ class Arena:
             if self._buf is None or start + n > self._buf.numel():
                 # grow: slices already handed out keep the old buffer alive until the save ends
                 need = max(start + n, 2 * self.capacity, 1 << 20)
-                self._buf = torch.empty(need, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+                self._buf = pinned_empty(need)
                 start = 0
             self._pos = start + n
             return self._buf[start:start + n]

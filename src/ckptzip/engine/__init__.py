@@ -13,7 +13,8 @@ writer, say) call the same pipeline for their own files.
 from .decode import (Job, batches, decode_group, decode_jobs, storage_chain,
                      storage_plan_from_manifest)
 from .encode import Encoded, encode_group_arrays, gather_gpu, pack, stage_encoded
-from .memory import ALIGN, PINNED, PinnedPool, ceil_align, copy_segments, empty_bytes, free_gpu_bytes
+from .memory import (ALIGN, PINNED, PinnedPool, ceil_align, copy_segments, empty_bytes, free_gpu_bytes,
+                     pinned_empty)
 from .plan import (DEFAULT_CHUNK, DEFAULT_WINDOW, Plan, Unit, codec_key, gpu_decode_window, gpu_window,
                    groups, units_of, windows)
 from .planner import Planner, gpu_ok
@@ -21,7 +22,7 @@ from .planner import Planner, gpu_ok
 __all__ = [
     "Job", "batches", "decode_group", "decode_jobs", "storage_chain", "storage_plan_from_manifest",
     "Encoded", "encode_group_arrays", "gather_gpu", "pack", "stage_encoded",
-    "ALIGN", "PINNED", "PinnedPool", "ceil_align", "copy_segments", "empty_bytes", "free_gpu_bytes",
+    "ALIGN", "PINNED", "PinnedPool", "ceil_align", "copy_segments", "empty_bytes", "free_gpu_bytes", "pinned_empty",
     "DEFAULT_CHUNK", "DEFAULT_WINDOW", "Plan", "Unit", "codec_key", "gpu_decode_window", "gpu_window",
     "groups", "units_of", "windows", "Planner", "gpu_ok",
 ]
