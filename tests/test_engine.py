@@ -1581,6 +1581,28 @@ def test_each_damaged_chunk_of_a_mixed_state_is_a_checksum_error(tmp_path, monke
             ckptzip.load(io.BytesIO(q.read_bytes()) if k % 2 else q)
 
 
+def test_fused_plans_whole_batch_costs_are_the_piece_costs(tmp_path, monkeypatch):
+    """A fused plan's per-batch costs, made in one numpy pass, equal :func:`_piece_cost` over
+    each batch's words (coded and stored planes, batches cut into pieces or not)."""
+    from ckptzip import native
+    from ckptzip.engine import decode
+    st, p = _mixed_small_file(tmp_path, monkeypatch)
+    plans = []
+    real_plan = decode._fused_plan
+    monkeypatch.setattr(decode, "_fused_plan", lambda rows, grp, **kw: plans.append(real_plan(rows, grp, **kw)) or plans[-1])
+    assert torch.equal(ckptzip.load(p)["big8"], st["big8"])
+    if native.lib is None:
+        pytest.skip("fused batches are the C extension's")
+    seen = 0
+    for pl in filter(None, plans):
+        assert len(pl.costs) == len(pl.items)
+        for it, cost in zip(pl.items, pl.costs):
+            job, a, b = it[:3]
+            assert cost == decode._piece_cost(it, 0, (b - a) // job.tf.width)
+            seen += cost > b - a  # (a batch with coded planes)
+    assert seen
+
+
 def test_small_cpu_float_storages_skip_the_byteplane_transform():
     """CPU saves store float storages under CPU_MIN_TRANSFORMED bytes (biases, norms, Adam's step
     counters) as one zstd frame of whole words, not one frame per byte plane; larger ones keep

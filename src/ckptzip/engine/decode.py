@@ -618,6 +618,8 @@ class FusedPlan(NamedTuple):
     rows: np.ndarray  # a mask of the group's rows that belong to them
     batches: list  # a flag per batch of the group
     items: list  # (job, a, b, first row, table without source offsets) per fused batch
+    #: per item, :func:`_piece_cost` of its whole batch (one numpy pass for all of them)
+    costs: list
     #: their chunks are verified by the decoding threads, each piece's just before it is
     #: decoded (the reader read them without verifying: ``defer``), else by the reader
     verify: bool = False
@@ -641,16 +643,21 @@ def _fused_plan(rows: np.ndarray, grp: list, mem: bool = False) -> FusedPlan | N
     cols, ok = _fused_tables(rows[idx], c, np.fromiter((t.width for t in tfs), np.int64, len(tfs)),
                              np.fromiter((t.block for t in tfs), np.int64, len(tfs)),
                              np.fromiter((grp[k][4] - grp[k][3] for k in want), np.int64, len(want)))
-    items, flags = [], [False] * len(grp)
+    # each batch's whole cost (_piece_cost of all its words): its bytes, and 3 more per byte of
+    # its zstd-coded chunks
+    whole = (np.fromiter((grp[k][4] - grp[k][3] for k in want), np.int64, len(want))
+             + 3 * np.add.reduceat(np.where(cols[0] >= 256, cols[2], 0), np.cumsum(c) - c)).tolist()
+    items, flags, costs = [], [False] * len(grp), []
     mask = np.zeros(len(rows), dtype=bool)
     at = 0
-    for k, n, good in zip(want, c.tolist(), ok.tolist()):
+    for k, n, good, cost in zip(want, c.tolist(), ok.tolist(), whole):
         if good:
             job, _i, _j, a, b = grp[k]
             r0 = int(first[k])
             flags[k] = True
             mask[r0:r0 + n] = True
             items.append((job, a, b, r0, [col[at:at + n] for col in cols]))
+            costs.append(cost)
         at += n
     if not items:
         return None
@@ -658,7 +665,7 @@ def _fused_plan(rows: np.ndarray, grp: list, mem: bool = False) -> FusedPlan | N
     # (a 16-core host's 64 MiB groups are hashed by the read pool's threads as they are read:
     # there, hashing in the decoding threads made a 2.4 GB load 5-7 % slower)
     verify = VERIFY_IN_PIECES and (mem or int(rows["stored"][mask].sum()) < HASH_PARALLEL_MIN)
-    return FusedPlan(mask, flags, items, verify)
+    return FusedPlan(mask, flags, items, costs, verify)
 
 
 def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: np.ndarray,
@@ -677,12 +684,14 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: n
     total = sum(b - a for _job, a, b, _r0, _t in plan.items)
     share = max(PIECE_MIN, -(-total // (PIECES_PER_THREAD * threads)))
     work = []  # (item, first word, end word)
-    for it in plan.items:
+    costs = []  # each piece's _piece_cost
+    for it, cost in zip(plan.items, plan.costs):
         job, a, b, _r0, t = it
         w = job.tf.width
         nw = (b - a) // w
         if b - a <= share:
             work.append((it, 0, nw))
+            costs.append(cost)
             continue
         starts = t[1][t[0] % 256 == 0]  # where every plane's chunks start
         for p in range(1, w):
@@ -691,6 +700,7 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: n
         cuts = np.unique(starts[np.clip(np.searchsorted(starts, want), 0, len(starts) - 1)])
         edges = [0, *[int(x) for x in cuts if 0 < x < nw], nw]
         work.extend((it, e0, e1) for e0, e1 in zip(edges, edges[1:]))
+        costs.extend(_piece_cost(it, e0, e1) for e0, e1 in zip(edges, edges[1:]))
     s = src.numpy()
     # (with native.XXH3 each piece's chunks are verified inside planes_fused, without the GIL)
     sums = rows["xxh3"].astype(np.uint64) if plan.verify and native.XXH3 else None  # (lib is set here)
@@ -724,7 +734,6 @@ def _decode_fused(src: torch.Tensor, soffs: np.ndarray, plan: FusedPlan, rows: n
             w = job.tf.width
             piece = job.out[a + w0 * w:a + w1 * w]
             job.ref.decode(piece, piece, start=a + w0 * w)
-    costs = [_piece_cost(it, w0, w1) for it, w0, w1 in work]
     # pieces whose chunks are verified in C (or were by the reader), without a reference
     # transform or with one C undoes (expgrid, expref), go to one shared queue in C: each thread
     # takes pieces from it in one call without the GIL (no handover per piece, while the calling
