@@ -59,12 +59,13 @@ _HUGE = 2 << 20
 def pinned_empty(n: int) -> torch.Tensor:
     """A new flat uint8 host tensor of ``n`` bytes, page-locked where CUDA is available (copies
     to and from the GPU are then asynchronous). torch's ``pin_memory=True`` (cudaHostAlloc)
-    faults and locks the pages on one thread: 40 ms for 64 MiB on an H100 host, the largest cost
-    of a fresh process's first load. Buffers of at least :data:`REGISTER_MIN` bytes are instead
-    host memory of 2 MiB pages, first written by the CPU pool's threads, then registered with
-    CUDA (``cudaHostRegister``) and unregistered when the last view of it is gone; where that
-    fails, torch's. For buffers that are kept and reused (:class:`PinnedPool`, the async
-    saves' arena): torch caches its own pinned blocks, ckptzip caches these."""
+    faults and locks the pages on one thread: 39-43 ms for 64 MiB on an H100 host, about 0.1 s
+    of a fresh process's first load of the 1.2 GB benchmark state. Buffers of at least
+    :data:`REGISTER_MIN` bytes are instead host memory of 2 MiB pages, first written by the CPU
+    pool's threads, then registered with CUDA (``cudaHostRegister``: 3 ms for 64 MiB once
+    written; 19 ms in all with one thread writing) and unregistered when the last view of it is
+    gone; where that fails, torch's. For buffers that are kept and reused (:class:`PinnedPool`,
+    the async saves' arena): torch caches its own pinned blocks, ckptzip caches these."""
     if not torch.cuda.is_available():
         return torch.empty(n, dtype=torch.uint8)
     if PIN_REGISTER and n >= REGISTER_MIN and native.lib is not None:
@@ -95,11 +96,13 @@ def _registered(n: int) -> torch.Tensor | None:
         ok = False
     if not ok:
         return None
-    weakref.finalize(raw, _unregister, cudart, ptr)  # (before numpy frees the memory)
+    weakref.finalize(raw, _unregister, cudart, ptr, os.getpid())  # (before numpy frees the memory)
     return torch.from_numpy(a)
 
 
-def _unregister(cudart, ptr: int) -> None:
+def _unregister(cudart, ptr: int, pid: int) -> None:
+    if os.getpid() != pid:  # (a forked child's copy: the registration is the parent's)
+        return
     try:
         cudart.cudaHostUnregister(ptr)
     except Exception:  # noqa: BLE001  (at exit, after CUDA has gone: the process frees it)
