@@ -22,7 +22,8 @@ from .planner import Planner, gpu_ok
 __all__ = [
     "Job", "batches", "decode_group", "decode_jobs", "storage_chain", "storage_plan_from_manifest",
     "Encoded", "encode_group_arrays", "gather_gpu", "pack", "stage_encoded",
-    "ALIGN", "PINNED", "PinnedPool", "ceil_align", "copy_segments", "empty_bytes", "free_gpu_bytes", "pinned_empty",
+    "ALIGN", "PINNED", "PinnedPool", "ceil_align", "copy_segments", "empty_bytes", "free_gpu_bytes",
+    "pinned_empty",
     "DEFAULT_CHUNK", "DEFAULT_WINDOW", "Plan", "Unit", "codec_key", "gpu_decode_window", "gpu_window",
     "groups", "units_of", "windows", "Planner", "gpu_ok",
 ]

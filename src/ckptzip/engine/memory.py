@@ -49,64 +49,14 @@ def empty_bytes(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return t
 
 
-#: new page-locked buffers of at least this many bytes are made by ckptzip (:func:`pinned_empty`)
-REGISTER_MIN = HUGE_MIN
-#: ``CKPTZIP_PIN_REGISTER=0``: every page-locked buffer from torch's ``pin_memory=True``
-PIN_REGISTER = os.environ.get("CKPTZIP_PIN_REGISTER", "1") != "0"
-_HUGE = 2 << 20
-
-
 def pinned_empty(n: int) -> torch.Tensor:
     """A new flat uint8 host tensor of ``n`` bytes, page-locked where CUDA is available (copies
-    to and from the GPU are then asynchronous). torch's ``pin_memory=True`` (cudaHostAlloc)
-    faults and locks the pages on one thread: 39-43 ms for 64 MiB on an H100 host, about 0.1 s
-    of a fresh process's first load of the 1.2 GB benchmark state. Buffers of at least
-    :data:`REGISTER_MIN` bytes are instead host memory of 2 MiB pages, first written by the CPU
-    pool's threads, then registered with CUDA (``cudaHostRegister``: 3 ms for 64 MiB once
-    written; 19 ms in all with one thread writing) and unregistered when the last view of it is
-    gone; where that fails, torch's. For buffers that are kept and reused (:class:`PinnedPool`,
-    the async saves' arena): torch caches its own pinned blocks, ckptzip caches these."""
-    if not torch.cuda.is_available():
-        return torch.empty(n, dtype=torch.uint8)
-    if PIN_REGISTER and n >= REGISTER_MIN and native.lib is not None:
-        t = _registered(n)
-        if t is not None:
-            return t
-    return torch.empty(n, dtype=torch.uint8, pin_memory=True)
-
-
-def _registered(n: int) -> torch.Tensor | None:
-    """:func:`pinned_empty`'s own buffers, or None where CUDA refuses to register one."""
-    try:
-        cudart = torch.cuda.cudart()
-        torch.cuda.init()
-    except Exception:  # noqa: BLE001  (no runtime binding or no device: torch's path decides)
-        return None
-    raw = np.empty(n + _HUGE, dtype=np.uint8)
-    a = raw[(-raw.ctypes.data) % _HUGE:][:n]
-    huge_pages(a)
-    from ..codecs.cpu import cpu_threads, pmap
-    k = max(1, min(cpu_threads(), n // (8 << 20)))
-    step = -(-n // k // _HUGE) * _HUGE  # (each thread's pages its own 2 MiB pages)
-    pmap(lambda i: a[i * step:(i + 1) * step].fill(0), -(-n // step))
-    ptr = a.ctypes.data
-    try:
-        ok = int(cudart.cudaHostRegister(ptr, n, 0)) == 0
-    except Exception:  # noqa: BLE001
-        ok = False
-    if not ok:
-        return None
-    weakref.finalize(raw, _unregister, cudart, ptr, os.getpid())  # (before numpy frees the memory)
-    return torch.from_numpy(a)
-
-
-def _unregister(cudart, ptr: int, pid: int) -> None:
-    if os.getpid() != pid:  # (a forked child's copy: the registration is the parent's)
-        return
-    try:
-        cudart.cudaHostUnregister(ptr)
-    except Exception:  # noqa: BLE001  (at exit, after CUDA has gone: the process frees it)
-        pass
+    to and from the GPU are then asynchronous): torch's ``pin_memory=True``, whose blocks carry
+    the stream events of the copies that use them, so that a buffer dropped on an error path is
+    never reused while a copy is still in flight. The one place ckptzip makes such buffers
+    (:class:`PinnedPool`, the async saves' arena). Registering ckptzip's own memory instead was
+    measured faster and not kept (docs/benchmarks.md, twenty-ninth session)."""
+    return torch.empty(n, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
 
 class PinnedPool:
