@@ -640,13 +640,12 @@ def _fused_plan(rows: np.ndarray, grp: list, mem: bool = False) -> FusedPlan | N
     # the selected batches' rows, in group order (each batch's rows are contiguous in the group)
     idx = np.repeat(first[sel] - (np.cumsum(c) - c), c) + np.arange(int(c.sum()), dtype=np.int64)
     tfs = [grp[k][0].tf for k in want]
+    nbytes = np.fromiter((grp[k][4] - grp[k][3] for k in want), np.int64, len(want))
     cols, ok = _fused_tables(rows[idx], c, np.fromiter((t.width for t in tfs), np.int64, len(tfs)),
-                             np.fromiter((t.block for t in tfs), np.int64, len(tfs)),
-                             np.fromiter((grp[k][4] - grp[k][3] for k in want), np.int64, len(want)))
+                             np.fromiter((t.block for t in tfs), np.int64, len(tfs)), nbytes)
     # each batch's whole cost (_piece_cost of all its words): its bytes, and 3 more per byte of
     # its zstd-coded chunks
-    whole = (np.fromiter((grp[k][4] - grp[k][3] for k in want), np.int64, len(want))
-             + 3 * np.add.reduceat(np.where(cols[0] >= 256, cols[2], 0), np.cumsum(c) - c)).tolist()
+    whole = (nbytes + 3 * np.add.reduceat(np.where(cols[0] >= 256, cols[2], 0), np.cumsum(c) - c)).tolist()
     items, flags, costs = [], [False] * len(grp), []
     mask = np.zeros(len(rows), dtype=bool)
     at = 0

@@ -53,9 +53,10 @@ def pinned_empty(n: int) -> torch.Tensor:
     """A new flat uint8 host tensor of ``n`` bytes, page-locked where CUDA is available (copies
     to and from the GPU are then asynchronous): torch's ``pin_memory=True``, whose blocks carry
     the stream events of the copies that use them, so that a buffer dropped on an error path is
-    never reused while a copy is still in flight. The one place ckptzip makes such buffers
-    (:class:`PinnedPool`, the async saves' arena). Registering ckptzip's own memory instead was
-    measured faster and not kept (docs/benchmarks.md, twenty-ninth session)."""
+    never reused while a copy is still in flight. The one place ckptzip makes the page-locked
+    buffers it keeps and reuses (:class:`PinnedPool`, the async saves' arena). Registering
+    ckptzip's own memory instead was measured faster and not kept (docs/benchmarks.md,
+    twenty-ninth session)."""
     return torch.empty(n, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
 
