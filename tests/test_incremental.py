@@ -51,6 +51,67 @@ def test_cast16_matches_torch_except_nan():
             assert (got[~ok] == (0x7FC0 if to == "bfloat16" else 0x7E00)).all()
 
 
+def test_cast16_bfloat16_in_c_matches_the_formula(monkeypatch):
+    """The C cast (_bpnative.cast_bf16) gives the numpy formula's bits on every high half-word
+    with the low halves that decide rounding (ties, carries into the exponent, overflow to
+    infinity, subnormals, NaN payloads), on random words, and from an unaligned source; it
+    refuses a wrong output size and overlapping buffers."""
+    from ckptzip import native
+    from ckptzip.transforms import refs
+    if native.lib is None:
+        pytest.skip("the C extension is not built")
+    hi = np.arange(1 << 16, dtype=np.uint32) << 16
+    lows = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x7FFE, 0x4000], dtype=np.uint32)
+    u = np.concatenate([(hi[:, None] | lows[None, :]).reshape(-1),
+                        np.random.default_rng(3).integers(0, 1 << 32, 1 << 16, dtype=np.uint64).astype(np.uint32)])
+    buf = np.zeros(u.nbytes + 1, dtype=np.uint8)
+    buf[1:] = u.view(np.uint8)
+    for src in (u.view(np.uint8), buf[1:]):  # (aligned, and one byte off)
+        got = refs._np_cast16(src, "bfloat16")
+        with monkeypatch.context() as m:
+            m.setattr(native, "lib", None)
+            want = refs._np_cast16(src, "bfloat16")
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+    with pytest.raises(ValueError):
+        native.lib.cast_bf16(u.view(np.uint8), np.empty(len(u) - 1, dtype=np.uint16))
+    with pytest.raises(ValueError):
+        native.lib.cast_bf16(u.view(np.uint8)[:3], np.empty(1, dtype=np.uint16))
+    with pytest.raises(ValueError):  # out inside src
+        native.lib.cast_bf16(buf[:16], buf[:16].view(np.uint8)[:8])
+
+
+def test_derived_in_one_c_pass_matches_the_prediction(monkeypatch):
+    """``derived`` to bfloat16 on the host (the cast and the xor in one C pass) encodes and decodes
+    the same bytes as the prediction then the xor, in place too, on values with NaNs, infinities,
+    ties and subnormals."""
+    from ckptzip import native
+    from ckptzip.transforms.refs import Derived
+    if native.lib is None:
+        pytest.skip("the C extension is not built")
+    g = torch.Generator().manual_seed(11)
+    f = torch.randn(5000, generator=g) * torch.logspace(-44, 38, 5000)
+    f[::97] = float("nan")
+    f[1::89] = float("inf")
+    f[2::83] = torch.tensor(1.0).view(torch.int32).add(0x8000).view(torch.float32)  # a tie
+    ref = f.view(torch.uint8)
+    data = (f + torch.randn(5000, generator=g) * 1e-3).bfloat16().view(torch.uint8)
+    tf = Derived(0).bind(ref)
+    res = tf.encode(data)
+    back = torch.empty_like(data)
+    tf.decode(res, back)
+    assert torch.equal(back, data)
+    inplace = res.clone()
+    tf.decode(inplace, inplace)  # (other is out)
+    assert torch.equal(inplace, data)
+    with monkeypatch.context() as m:
+        m.setattr(native, "lib", None)
+        assert torch.equal(Derived(0).bind(ref).encode(data), res)
+    for start in (0, 1234):  # a piece of the storage: words from ``start``
+        piece = torch.empty(2000, dtype=torch.uint8)
+        tf.decode(res[2 * start:2 * start + 2000], piece, start=2 * start)
+        assert torch.equal(piece, data[2 * start:2 * start + 2000])
+
+
 def test_derived_detection_pairs_by_values():
     st = mixed_state()
     st["half"] = {k: v.half() for k, v in st["model"].items()}

@@ -75,6 +75,13 @@
  *       madvise(MADV_HUGEPAGE) on the whole 2 MiB pages inside the writable buffer buf (Linux;
  *       before the buffer is first written). Returns the bytes advised (0: none, or not Linux)
  *
+ *   cast_bf16(src, out[, other])
+ *       ``derived``'s prediction (docs/format.md): every float32 word of src (little-endian,
+ *       4-byte words) cast to bfloat16 by round-to-nearest-even of its bit pattern,
+ *       (u + 0x7FFF + ((u >> 16) & 1)) >> 16, every NaN 0x7FC0, into out (2 bytes a word), in one
+ *       pass without the GIL; with other (as long as out, out itself or apart from it), the
+ *       prediction xor other's half-words (``derived``'s residual, or the words from it)
+ *
  *   pread_many(fd, buf, foffs, boffs, lens, threads)
  *       buf[boffs[i]:+lens[i]] = the file's bytes at foffs[i] (int64 arrays) for every i, by
  *       `threads` POSIX threads taking the ranges in turn, without the GIL for the whole call
@@ -1604,6 +1611,41 @@ static PyObject *py_huge_pages(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(done);
 }
 
+static int overlap(const Py_buffer *a, const Py_buffer *b) {
+    return (const char *)a->buf < (const char *)b->buf + b->len && (const char *)b->buf < (const char *)a->buf + a->len;
+}
+
+static PyObject *py_cast_bf16(PyObject *self, PyObject *args) {
+    Py_buffer src = {0}, out = {0}, oth = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*|y*", &src, &out, &oth)) return NULL;
+    PyObject *ret = NULL;
+    if (src.len % 4 || out.len != src.len / 2 || (oth.obj && oth.len != out.len)) {
+        PyErr_SetString(PyExc_ValueError, "cast_bf16: src must hold whole 4-byte words, out (and other) 2 bytes for each");
+    } else if (overlap(&src, &out) || (oth.obj && oth.buf != out.buf && overlap(&oth, &out))) {
+        PyErr_SetString(PyExc_ValueError, "cast_bf16: out overlaps src, or other without being out");
+    } else {
+        const u32a *x = (const u32a *)src.buf;
+        const u16a *z = oth.obj ? (const u16a *)oth.buf : NULL;
+        u16a *y = (u16a *)out.buf;
+        Py_ssize_t n = src.len / 4;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint32_t u = x[i];
+            uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+            uint16_t v = (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r);
+            y[i] = z ? (uint16_t)(v ^ z[i]) : v;
+        }
+        Py_END_ALLOW_THREADS
+        ret = Py_None;
+        Py_INCREF(ret);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    if (oth.obj) PyBuffer_Release(&oth);
+    return ret;
+}
+
 /* -- parallel reads ------------------------------------------------------------------------- */
 typedef struct {
     int fd;
@@ -1786,6 +1828,9 @@ static PyMethodDef methods[] = {
      "zstd_encode(src, dst, soffs, ssizes, doffs, dcaps, osizes, params): chunks into zstd frames"},
     {"fs_type", py_fs_type, METH_VARARGS, "fs_type(fd): the file system's magic number (0: unknown)"},
     {"fallocate", py_fallocate, METH_VARARGS, "fallocate(fd, mode, offset, length): Linux fallocate(2)"},
+    {"cast_bf16", py_cast_bf16, METH_VARARGS,
+     "cast_bf16(src, out[, other]): float32 words to bfloat16 (round to nearest even of the bits, NaN 0x7FC0), "
+     "xor other's half-words"},
     {"huge_pages", py_huge_pages, METH_VARARGS,
      "huge_pages(buf): madvise(MADV_HUGEPAGE) on the whole 2 MiB pages inside buf; the bytes advised"},
     {"pread_many", py_pread_many, METH_VARARGS,
@@ -1800,7 +1845,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bpnative",
                                     NULL, NULL, NULL, NULL};
 
 /* what ckptzip.native checks: a build of another version of this file is not used */
-#define BPNATIVE_API 17
+#define BPNATIVE_API 18
 
 PyMODINIT_FUNC PyInit__bpnative(void) {
     for (int c = 1; c < CLOG_N; c++) clog_tab[c] = (double)c * log2((double)c);

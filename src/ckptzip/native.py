@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 #: the ``API`` constant of the ``_bpnative.c`` this code calls
-API = 17
+API = 18
 
 try:
     if os.environ.get("CKPTZIP_NO_NATIVE") == "1":
