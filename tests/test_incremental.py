@@ -112,6 +112,38 @@ def test_derived_in_one_c_pass_matches_the_prediction(monkeypatch):
         assert torch.equal(piece, data[2 * start:2 * start + 2000])
 
 
+def test_derived_pair_mismatches_counted_in_c_match_torch(monkeypatch):
+    """The planner's count of words where a bfloat16 storage differs from the cast of its float32
+    source (one C pass per pair on the CPU pool) equals torch's count, pairs of float16 and of
+    other sizes beside them, on values with NaNs and infinities."""
+    from ckptzip import native
+    from ckptzip.engine import refplan
+    if native.lib is None:
+        pytest.skip("the C extension is not built")
+    g = torch.Generator().manual_seed(5)
+    f = torch.randn(3000, generator=g) * torch.logspace(-44, 38, 3000)
+    f[::50] = float("nan")
+    f[7::61] = float("inf")
+    b = f.bfloat16()
+    b.view(torch.int16)[::37] ^= 1  # 82 words changed
+    small = torch.randn(40, generator=g)
+    st = {"f": f, "b": b, "h": f.half(), "s": small, "sb": small.bfloat16()}
+    enc = Encoder()
+    enc.encode(st)
+    refs = enc.storages
+    pairs = [(1, 0, "bfloat16"), (2, 0, "float16"), (4, 3, "bfloat16")]
+    got = refplan._mismatches_many(refs, pairs)
+    with monkeypatch.context() as m:
+        m.setattr(native, "lib", None)
+        want = refplan._mismatches_many(refs, pairs)
+    # (the changed words, and the NaNs: torch's CPU cast made them 0xFFFF, the prediction 0x7FC0)
+    assert got == want and got[0] >= len(range(0, 3000, 37)) and got[2] == 0
+    u = f.view(torch.uint8).numpy()
+    assert native.lib.cast_bf16_diff(u, cast16(f.view(torch.uint8), "bfloat16").numpy()) == 0
+    with pytest.raises(ValueError):
+        native.lib.cast_bf16_diff(u, np.zeros(10, dtype=np.uint16))
+
+
 def test_derived_detection_pairs_by_values():
     st = mixed_state()
     st["half"] = {k: v.half() for k, v in st["model"].items()}

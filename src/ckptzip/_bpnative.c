@@ -81,6 +81,9 @@
  *       (u + 0x7FFF + ((u >> 16) & 1)) >> 16, every NaN 0x7FC0, into out (2 bytes a word), in one
  *       pass without the GIL; with other (as long as out, out itself or apart from it), the
  *       prediction xor other's half-words (``derived``'s residual, or the words from it)
+ *   cast_bf16_diff(src, tgt)
+ *       how many bfloat16 words of tgt differ from cast_bf16's prediction of src's words (the
+ *       planner's check of a ``derived`` pair), in one pass without the GIL
  *
  *   pread_many(fd, buf, foffs, boffs, lens, threads)
  *       buf[boffs[i]:+lens[i]] = the file's bytes at foffs[i] (int64 arrays) for every i, by
@@ -1615,6 +1618,11 @@ static int overlap(const Py_buffer *a, const Py_buffer *b) {
     return (const char *)a->buf < (const char *)b->buf + b->len && (const char *)b->buf < (const char *)a->buf + a->len;
 }
 
+/* derived's bfloat16 prediction of a float32 word: round to nearest even of the bits, NaN 0x7FC0 */
+static inline uint16_t bf16_of(uint32_t u) {
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 static PyObject *py_cast_bf16(PyObject *self, PyObject *args) {
     Py_buffer src = {0}, out = {0}, oth = {0};
     (void)self;
@@ -1630,12 +1638,10 @@ static PyObject *py_cast_bf16(PyObject *self, PyObject *args) {
         u16a *y = (u16a *)out.buf;
         Py_ssize_t n = src.len / 4;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) {
-            uint32_t u = x[i];
-            uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-            uint16_t v = (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r);
-            y[i] = z ? (uint16_t)(v ^ z[i]) : v;
-        }
+        if (z)
+            for (Py_ssize_t i = 0; i < n; i++) y[i] = (uint16_t)(bf16_of(x[i]) ^ z[i]);
+        else
+            for (Py_ssize_t i = 0; i < n; i++) y[i] = bf16_of(x[i]);
         Py_END_ALLOW_THREADS
         ret = Py_None;
         Py_INCREF(ret);
@@ -1643,6 +1649,28 @@ static PyObject *py_cast_bf16(PyObject *self, PyObject *args) {
     PyBuffer_Release(&src);
     PyBuffer_Release(&out);
     if (oth.obj) PyBuffer_Release(&oth);
+    return ret;
+}
+
+static PyObject *py_cast_bf16_diff(PyObject *self, PyObject *args) {
+    Py_buffer src = {0}, tgt = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*", &src, &tgt)) return NULL;
+    PyObject *ret = NULL;
+    if (src.len % 4 || tgt.len != src.len / 2) {
+        PyErr_SetString(PyExc_ValueError, "cast_bf16_diff: src must hold whole 4-byte words, tgt 2 bytes for each");
+    } else {
+        const u32a *x = (const u32a *)src.buf;
+        const u16a *y = (const u16a *)tgt.buf;
+        Py_ssize_t n = src.len / 4;
+        long long diff = 0;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) diff += bf16_of(x[i]) != y[i];
+        Py_END_ALLOW_THREADS
+        ret = PyLong_FromLongLong(diff);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&tgt);
     return ret;
 }
 
@@ -1831,6 +1859,8 @@ static PyMethodDef methods[] = {
     {"cast_bf16", py_cast_bf16, METH_VARARGS,
      "cast_bf16(src, out[, other]): float32 words to bfloat16 (round to nearest even of the bits, NaN 0x7FC0), "
      "xor other's half-words"},
+    {"cast_bf16_diff", py_cast_bf16_diff, METH_VARARGS,
+     "cast_bf16_diff(src, tgt): how many bfloat16 words of tgt differ from cast_bf16 of src's float32 words"},
     {"huge_pages", py_huge_pages, METH_VARARGS,
      "huge_pages(buf): madvise(MADV_HUGEPAGE) on the whole 2 MiB pages inside buf; the bytes advised"},
     {"pread_many", py_pread_many, METH_VARARGS,
