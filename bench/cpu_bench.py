@@ -18,6 +18,10 @@ background load hits them alike. Prints a markdown table, and the in-memory figu
 and writes JSON (every round's seconds included).
 
     PYTHONPATH=src python bench/cpu_bench.py --steps 300 --json docs/data/cpu_bench_2core.json
+
+``--state PATH`` benches a given state instead (float32 and bfloat16 tensors saved with
+torch.save, such as the GPU benchmark's 1.2 GB GPT state as CPU tensors): ckptzip in memory
+against ZipNN on the same bytes as one blob per dtype.
 """
 import argparse
 import io
@@ -153,6 +157,49 @@ def bench_state(name, state, dtype, reps, workdir, threads):
     return res
 
 
+def bench_file_state(state, reps, threads):
+    """``--state``: a large state of several dtypes, in memory: ckptzip on the state against
+    ZipNN on the same bytes as one blob per dtype (ZipNN takes one dtype per call), rounds
+    interleaved; ZipNN's input copies are made outside the timed region."""
+    import zipnn
+    ts = list(tensors_of(state))
+    raw = sum(t.numel() * t.element_size() for t in ts)
+    blobs = {}
+    for t in ts:
+        name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(t.dtype)
+        if name is None:
+            raise SystemExit(f"error: --state holds {t.dtype} tensors; ZipNN takes float32 and bfloat16")
+        blobs.setdefault(name, []).append(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    blobs = {k: b"".join(v) for k, v in blobs.items()}
+    zns = {k: zipnn.ZipNN(bytearray_dtype=k, threads=threads) for k in blobs}
+    mem: dict = {}
+
+    def zn_compress() -> float:
+        ins = {k: bytearray(b) for k, b in blobs.items()}
+        t = time.perf_counter()
+        mem["zn"] = {k: zns[k].compress(ins[k]) for k in blobs}
+        return time.perf_counter() - t
+
+    def timed(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+    times: dict[str, list[float]] = {k: [] for k in ("ckptzip compress", "ckptzip decompress", "zipnn compress",
+                                                     "zipnn decompress")}
+    for _ in range(reps):
+        times["ckptzip compress"].append(timed(lambda: mem.__setitem__("ckz", _save_mem(state))))
+        times["zipnn compress"].append(zn_compress())
+        times["zipnn decompress"].append(timed(lambda: [zns[k].decompress(v) for k, v in mem["zn"].items()]))
+        times["ckptzip decompress"].append(timed(lambda: ckptzip.load(io.BytesIO(mem["ckz"]))))
+    assert same(ckptzip.load(io.BytesIO(mem["ckz"])), state)
+    assert all(bytes(zns[k].decompress(v)) == blobs[k] for k, v in mem["zn"].items())
+    zb = sum(len(v) for v in mem["zn"].values())
+    return {"raw_bytes": raw, "tensors": len(ts), "all_seconds": times,
+            "MBps": {k: raw / min(v) / 1e6 for k, v in times.items()},
+            "MBps_median": {k: raw / statistics.median(v) / 1e6 for k, v in times.items()},
+            "ratio": {"ckptzip": len(mem["ckz"]) / raw, "zipnn": zb / raw}}
+
+
 def _pt_bytes(state) -> bytes:
     b = io.BytesIO()
     torch.save(state, b)
@@ -222,8 +269,27 @@ def main():
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--cache", default=None, help="trained state saved here (torch.save) and reused by later "
                     "runs with the same --steps: training takes minutes on 2 busy cores and is deterministic")
+    ap.add_argument("--state", default=None, help="instead: a state of float32 and bfloat16 tensors saved with "
+                    "torch.save (e.g. the GPU benchmark's GPT state), ckptzip in memory against ZipNN's "
+                    "per-dtype blobs (needs zipnn)")
     a = ap.parse_args()
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if a.state:
+        state = torch.load(a.state, map_location="cpu", weights_only=True)
+        r = bench_file_state(state, a.reps, threads)
+        print(f"{r['tensors']} tensors, {r['raw_bytes'] / 1e6:,.0f} MB raw, {threads} threads")
+        print("| tool | stored / raw | compress MB/s best (median) | decompress MB/s best (median) |")
+        print("|---|---|---|---|")
+        for tool in ("ckptzip", "zipnn"):
+            c, d = f"{tool} compress", f"{tool} decompress"
+            print(f"| {tool} | {r['ratio'][tool]:.4f} | {r['MBps'][c]:,.0f} ({r['MBps_median'][c]:,.0f}) | "
+                  f"{r['MBps'][d]:,.0f} ({r['MBps_median'][d]:,.0f}) |")
+        r["command"] = "PYTHONPATH=src python bench/cpu_bench.py " + " ".join(
+            f"--{k} {v}" for k, v in vars(a).items() if v is not None)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(r, f, indent=1)
+        return
     t0 = time.time()
     cached = None
     if a.cache and os.path.exists(a.cache):
