@@ -80,6 +80,17 @@ def test_cast16_bfloat16_in_c_matches_the_formula(monkeypatch):
         native.lib.cast_bf16(buf[:16], buf[:16].view(np.uint8)[:8])
 
 
+def _edge_floats(n: int, seed: int) -> tuple[torch.Tensor, torch.Generator]:
+    """``n`` float32 values over every magnitude (subnormals to overflow) with NaNs, infinities
+    and rounding ties to bfloat16; and the generator, for more."""
+    g = torch.Generator().manual_seed(seed)
+    f = torch.randn(n, generator=g) * torch.logspace(-44, 38, n)
+    f[::97] = float("nan")
+    f[1::89] = float("inf")
+    f[2::83] = torch.tensor(1.0).view(torch.int32).add(0x8000).view(torch.float32)  # a tie
+    return f, g
+
+
 def test_derived_in_one_c_pass_matches_the_prediction(monkeypatch):
     """``derived`` to bfloat16 on the host (the cast and the xor in one C pass) encodes and decodes
     the same bytes as the prediction then the xor, in place too, on values with NaNs, infinities,
@@ -88,11 +99,7 @@ def test_derived_in_one_c_pass_matches_the_prediction(monkeypatch):
     from ckptzip.transforms.refs import Derived
     if native.lib is None:
         pytest.skip("the C extension is not built")
-    g = torch.Generator().manual_seed(11)
-    f = torch.randn(5000, generator=g) * torch.logspace(-44, 38, 5000)
-    f[::97] = float("nan")
-    f[1::89] = float("inf")
-    f[2::83] = torch.tensor(1.0).view(torch.int32).add(0x8000).view(torch.float32)  # a tie
+    f, g = _edge_floats(5000, 11)
     ref = f.view(torch.uint8)
     data = (f + torch.randn(5000, generator=g) * 1e-3).bfloat16().view(torch.uint8)
     tf = Derived(0).bind(ref)
@@ -120,10 +127,7 @@ def test_derived_pair_mismatches_counted_in_c_match_torch(monkeypatch):
     from ckptzip.engine import refplan
     if native.lib is None:
         pytest.skip("the C extension is not built")
-    g = torch.Generator().manual_seed(5)
-    f = torch.randn(3000, generator=g) * torch.logspace(-44, 38, 3000)
-    f[::50] = float("nan")
-    f[7::61] = float("inf")
+    f, g = _edge_floats(3000, 5)
     b = f.bfloat16()
     b.view(torch.int16)[::37] ^= 1  # 82 words changed
     small = torch.randn(40, generator=g)
