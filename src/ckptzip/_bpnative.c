@@ -132,6 +132,11 @@ typedef int32_t i32a;
 typedef int64_t i64a;
 #endif
 
+/* Whether two buffers share a byte. */
+static int overlap(const Py_buffer *a, const Py_buffer *b) {
+    return (const char *)a->buf < (const char *)b->buf + b->len && (const char *)b->buf < (const char *)a->buf + a->len;
+}
+
 
 /* Small work keeps the GIL: a thread that gives it back waits up to the interpreter's switch
  * interval (5 ms) to take it again while another thread runs Python, far more than a sample's
@@ -311,8 +316,7 @@ static int check(bufs_t *b, int w, long long block, long long w0, long long w1) 
         PyErr_SetString(PyExc_ValueError, "word range outside the buffers");
         return -1;
     }
-    if ((const char *)b->src.buf < (const char *)b->dst.buf + b->dst.len &&
-        (const char *)b->dst.buf < (const char *)b->src.buf + b->src.len) {
+    if (overlap(&b->src, &b->dst)) {
         PyErr_SetString(PyExc_ValueError, "src and dst overlap");
         return -1;
     }
@@ -374,8 +378,7 @@ static int step_parse(PyObject *po, step_t *p, Py_ssize_t len, const Py_buffer *
         return -1;
     }
     if (p->kind == 1 && !grid_fits(p->a.len, p->b.len, p->g0, len / 4)) return -1;
-    if (p->kind == 2 && (p->a.len != len || (out && (const char *)p->a.buf < (const char *)out->buf + out->len &&
-                                                    (const char *)out->buf < (const char *)p->a.buf + p->a.len))) {
+    if (p->kind == 2 && (p->a.len != len || (out && overlap(&p->a, out)))) {
         PyErr_SetString(PyExc_ValueError, "expref: the reference must be as long as its words and apart from the output");
         return -1;
     }
@@ -461,10 +464,7 @@ static PyObject *py_decode_onto(PyObject *self, PyObject *args) {
     }
     /* ref is dst (in place: each word is read before it is written) or apart from it, and never
      * overlaps src: a partial overlap would make the result depend on the thread split */
-    if (((const char *)b.ref.buf < (const char *)b.src.buf + b.src.len &&
-         (const char *)b.src.buf < (const char *)b.ref.buf + b.ref.len) ||
-        (b.ref.buf != b.dst.buf && (const char *)b.ref.buf < (const char *)b.dst.buf + b.dst.len &&
-         (const char *)b.dst.buf < (const char *)b.ref.buf + b.ref.len)) {
+    if (overlap(&b.ref, &b.src) || (b.ref.buf != b.dst.buf && overlap(&b.ref, &b.dst))) {
         release(&b);
         PyErr_SetString(PyExc_ValueError, "ref overlaps src, or overlaps dst without being dst");
         return NULL;
@@ -984,7 +984,7 @@ static int decode_frame(ZSTD_DCtx *dc, const char *in, size_t len, void *out, si
  * done: the buffers do not overlap, every chunk lies inside its buffer. 0, or -1 with ValueError. */
 static int check_chunks(const char *name, const Py_buffer *src, const Py_buffer *dst, const int64_t *so,
                         const int64_t *ss, const int64_t *dof, const int64_t *ds, Py_ssize_t n) {
-    if ((const char *)src->buf < (const char *)dst->buf + dst->len && (const char *)dst->buf < (const char *)src->buf + src->len) {
+    if (overlap(src, dst)) {
         PyErr_Format(PyExc_ValueError, "%s: source and destination buffers overlap", name);
         return -1;
     }
@@ -1215,8 +1215,7 @@ static int fused_check(fused_t *f, const Py_buffer *src) {
         PyErr_SetString(PyExc_ValueError, "word range outside dst");
         return -1;
     }
-    if ((const char *)src->buf < (const char *)dst->buf + dst->len &&
-        (const char *)dst->buf < (const char *)src->buf + src->len) {
+    if (overlap(src, dst)) {
         PyErr_SetString(PyExc_ValueError, "planes_fused: source and destination buffers overlap");
         return -1;
     }
@@ -1612,10 +1611,6 @@ static PyObject *py_huge_pages(PyObject *self, PyObject *args) {
 #endif
     PyBuffer_Release(&b);
     return PyLong_FromLongLong(done);
-}
-
-static int overlap(const Py_buffer *a, const Py_buffer *b) {
-    return (const char *)a->buf < (const char *)b->buf + b->len && (const char *)b->buf < (const char *)a->buf + a->len;
 }
 
 /* derived's bfloat16 prediction of a float32 word: round to nearest even of the bits, NaN 0x7FC0 */
