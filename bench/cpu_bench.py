@@ -90,10 +90,15 @@ def same(a, b) -> bool:
         for x, y in zip(ta, tb))
 
 
+def _blob(ts) -> bytes:
+    """The tensors' bytes concatenated: the one blob ZipNN gets."""
+    return b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in ts)
+
+
 def bench_state(name, state, dtype, reps, workdir, threads):
     ts = list(tensors_of(state))
     raw = sum(t.numel() * t.element_size() for t in ts)
-    blob = b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in ts)
+    blob = _blob(ts)
     pt, ckz = os.path.join(workdir, f"{name}.pt"), os.path.join(workdir, f"{name}.ckz")
     tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     blob_t = torch.frombuffer(bytearray(blob[:len(blob) // tdt.itemsize * tdt.itemsize]), dtype=tdt)
@@ -169,8 +174,8 @@ def bench_file_state(state, reps, threads):
         name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(t.dtype)
         if name is None:
             raise SystemExit(f"error: --state holds {t.dtype} tensors; ZipNN takes float32 and bfloat16")
-        blobs.setdefault(name, []).append(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    blobs = {k: b"".join(v) for k, v in blobs.items()}
+        blobs.setdefault(name, []).append(t)
+    blobs = {k: _blob(v) for k, v in blobs.items()}
     zns = {k: zipnn.ZipNN(bytearray_dtype=k, threads=threads) for k in blobs}
     mem: dict = {}
 

@@ -163,8 +163,8 @@ def _mismatches_many(refs: list[StorageRef], pairs: list[tuple[int, int, str]]) 
     # host pairs cast to bfloat16: counted in one C pass each, on the CPU pool (the stacked
     # copies, prediction and comparison took 0.69 s for the 149 pairs of the benchmark GPT on a
     # 2-core VM, a third of its CPU save)
-    host = [k for k, (t, s, to) in enumerate(pairs) if to == "bfloat16" and native.lib is not None
-            and refs[t].data.device.type == "cpu" and refs[s].data.device.type == "cpu"]
+    host = [k for k, (t, s, to) in enumerate(pairs) if to == "bfloat16" and refs[t].data.device.type == "cpu"
+            and refs[s].data.device.type == "cpu"] if native.lib is not None else []
     if host:
         def one(j: int) -> None:
             t, s, _to = pairs[host[j]]
