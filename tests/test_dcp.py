@@ -38,18 +38,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(fn, world: int, *args) -> None:
-    port = _free_port()
-    mp.spawn(_entry, args=(world, port, fn, args), nprocs=world, join=True)
+def _spawn(fn, world: int, *args, retry: bool = False) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks.
+
+    A rank killed by a signal after every rank finished ``fn`` and the closing barrier (each
+    rank leaves a marker file there) is a crash in torch's process-group teardown, not in the
+    code under test: it is reported as a warning. (CI once saw a rank of the 3-rank job abort
+    with "terminate called without an active exception" from torch's C++ code; 23 runs of this
+    module on the same 2-core machine, 15 of them beside a busy process, did not repeat it.)
+    ``retry=True`` (jobs that only read, so running them twice is harmless) runs the job once
+    more when a rank was killed by a signal before that point; an exception raised in a rank
+    always fails the test."""
+    import tempfile
+    for attempt in range(2 if retry else 1):
+        with tempfile.TemporaryDirectory() as marks:
+            try:
+                mp.spawn(_entry, args=(world, _free_port(), fn, args, marks), nprocs=world, join=True)
+                return
+            except mp.ProcessExitedException as e:
+                if e.signal_name is None:
+                    raise
+                done = len(os.listdir(marks))
+                if done == world:
+                    warnings.warn(f"a rank was killed by {e.signal_name} after all {world} ranks finished")
+                    return
+                if attempt == 1 or not retry:
+                    raise
+                warnings.warn(f"a rank was killed by {e.signal_name} ({done}/{world} ranks finished): "
+                              "running the job again")
 
 
-def _entry(rank, world, port, fn, args):
+def _entry(rank, world, port, fn, args, marks):
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
         dist.barrier()
+        open(os.path.join(marks, str(rank)), "w").close()
     finally:
         dist.destroy_process_group()
 
@@ -230,7 +256,7 @@ def three_ranks(ckpts, tmp_path_factory):
     single-process consolidation of the same checkpoint)."""
     out = str(tmp_path_factory.mktemp("dcp3") / "fsdp_full.ckz")
     consolidate(ckpts["fsdp"], out)
-    _spawn(_w_three, 3, ckpts["dtensor"], ckpts["fsdp"], out)
+    _spawn(_w_three, 3, ckpts["dtensor"], ckpts["fsdp"], out, retry=True)  # loads only
     return out
 
 
