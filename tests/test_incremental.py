@@ -78,6 +78,8 @@ def test_cast16_bfloat16_in_c_matches_the_formula(monkeypatch):
         native.lib.cast_bf16(u.view(np.uint8)[:3], np.empty(1, dtype=np.uint16))
     with pytest.raises(ValueError):  # out inside src
         native.lib.cast_bf16(buf[:16], buf[:16].view(np.uint8)[:8])
+    with pytest.raises(ValueError):  # other of another length than out
+        native.lib.cast_bf16(u.view(np.uint8), np.empty(len(u), dtype=np.uint16), np.empty(len(u) - 1, dtype=np.uint16))
 
 
 def _edge_floats(n: int, seed: int) -> tuple[torch.Tensor, torch.Generator]:

@@ -76,14 +76,15 @@
  *       before the buffer is first written). Returns the bytes advised (0: none, or not Linux)
  *
  *   cast_bf16(src, out[, other])
- *       ``derived``'s prediction (docs/format.md): every float32 word of src (little-endian,
- *       4-byte words) cast to bfloat16 by round-to-nearest-even of its bit pattern,
- *       (u + 0x7FFF + ((u >> 16) & 1)) >> 16, every NaN 0x7FC0, into out (2 bytes a word), in one
- *       pass without the GIL; with other (as long as out, out itself or apart from it), the
+ *       ``derived``'s prediction (docs/format.md): every float32 word of src (4-byte words in
+ *       the host's byte order, as the numpy formula reads them) cast to bfloat16 by
+ *       round-to-nearest-even of its bit pattern, (u + 0x7FFF + ((u >> 16) & 1)) >> 16, every
+ *       NaN 0x7FC0, into out (2 bytes a word), in one pass (without the GIL from RELEASE_MIN
+ *       bytes of src on); with other (as long as out, out itself or apart from it), the
  *       prediction xor other's half-words (``derived``'s residual, or the words from it)
  *   cast_bf16_diff(src, tgt)
  *       how many bfloat16 words of tgt differ from cast_bf16's prediction of src's words (the
- *       planner's check of a ``derived`` pair), in one pass without the GIL
+ *       planner's check of a ``derived`` pair), in one pass (the GIL as cast_bf16)
  *
  *   pread_many(fd, buf, foffs, boffs, lens, threads)
  *       buf[boffs[i]:+lens[i]] = the file's bytes at foffs[i] (int64 arrays) for every i, by
@@ -1622,28 +1623,29 @@ static PyObject *py_cast_bf16(PyObject *self, PyObject *args) {
     Py_buffer src = {0}, out = {0}, oth = {0};
     (void)self;
     if (!PyArg_ParseTuple(args, "y*w*|y*", &src, &out, &oth)) return NULL;
+    const int has_other = PyTuple_GET_SIZE(args) > 2;
     PyObject *ret = NULL;
-    if (src.len % 4 || out.len != src.len / 2 || (oth.obj && oth.len != out.len)) {
+    if (src.len % 4 || out.len != src.len / 2 || (has_other && oth.len != out.len)) {
         PyErr_SetString(PyExc_ValueError, "cast_bf16: src must hold whole 4-byte words, out (and other) 2 bytes for each");
-    } else if (overlap(&src, &out) || (oth.obj && oth.buf != out.buf && overlap(&oth, &out))) {
+    } else if (overlap(&src, &out) || (has_other && oth.buf != out.buf && overlap(&oth, &out))) {
         PyErr_SetString(PyExc_ValueError, "cast_bf16: out overlaps src, or other without being out");
     } else {
         const u32a *x = (const u32a *)src.buf;
-        const u16a *z = oth.obj ? (const u16a *)oth.buf : NULL;
+        const u16a *z = has_other ? (const u16a *)oth.buf : NULL;
         u16a *y = (u16a *)out.buf;
         Py_ssize_t n = src.len / 4;
-        Py_BEGIN_ALLOW_THREADS
+        BEGIN_MAYBE(src.len)
         if (z)
             for (Py_ssize_t i = 0; i < n; i++) y[i] = (uint16_t)(bf16_of(x[i]) ^ z[i]);
         else
             for (Py_ssize_t i = 0; i < n; i++) y[i] = bf16_of(x[i]);
-        Py_END_ALLOW_THREADS
+        END_MAYBE
         ret = Py_None;
         Py_INCREF(ret);
     }
     PyBuffer_Release(&src);
     PyBuffer_Release(&out);
-    if (oth.obj) PyBuffer_Release(&oth);
+    if (has_other) PyBuffer_Release(&oth);
     return ret;
 }
 
@@ -1659,9 +1661,9 @@ static PyObject *py_cast_bf16_diff(PyObject *self, PyObject *args) {
         const u16a *y = (const u16a *)tgt.buf;
         Py_ssize_t n = src.len / 4;
         long long diff = 0;
-        Py_BEGIN_ALLOW_THREADS
+        BEGIN_MAYBE(src.len)
         for (Py_ssize_t i = 0; i < n; i++) diff += bf16_of(x[i]) != y[i];
-        Py_END_ALLOW_THREADS
+        END_MAYBE
         ret = PyLong_FromLongLong(diff);
     }
     PyBuffer_Release(&src);
