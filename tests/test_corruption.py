@@ -273,6 +273,71 @@ def test_fuzz_manifest_fields(tmp_path_factory, fuzz_base, key, value):
     _check_fuzzed(tmp_path_factory, q.read_bytes(), strict=False)
 
 
+@pytest.fixture(scope="module")
+def deep_seeds(tmp_path_factory):
+    """Files whose manifests use every kind of record a CPU save writes: byteplane chains with
+    several chunks, ``derived`` (a bfloat16 copy of a float32 master), ``expref`` and
+    ``expgrid`` (AdamW's moments), a numpy array, scalars and bytes; and an incremental file
+    (a base record with located storages) beside its base."""
+    d = tmp_path_factory.mktemp("deep")
+    g = torch.Generator().manual_seed(5)
+    m = torch.nn.Linear(256, 256)
+    opt = torch.optim.AdamW(m.parameters())
+    for _ in range(3):
+        opt.zero_grad()
+        m(torch.randn(8, 256, generator=g)).pow(2).sum().backward()
+        opt.step()
+    w = torch.randn(4096, generator=g) * 0.02
+    ckptzip.save({"model": m.state_dict(), "optimizer": opt.state_dict(), "w": w, "w_bf16": w.bfloat16(),
+                  "np": np.arange(12, dtype=np.float32).reshape(3, 4), "meta": {"lr": 0.1, "b": b"\x00", "t": (1, 2)}},
+                 d / "state.ckz", device="cpu", chunk_size=8192)
+    ckptzip.save({"a": w, "b": torch.randn(3000, generator=g)}, d / "base.ckz", device="cpu")
+    ckptzip.save({"a": w + 1e-6 * torch.randn(4096, generator=g), "b": torch.randn(3000, generator=g)},
+                 d / "incr.ckz", device="cpu", base=d / "base.ckz")
+    ids = {t.get("id") for f in ("state.ckz", "incr.ckz") for s in read_parts(d / f)[1]["storages"]
+           for t in s.get("transforms", [])}
+    assert {"byteplane", "derived", "expref", "expgrid"} <= ids and read_parts(d / "incr.ckz")[1]["bases"]
+    return d
+
+
+def _json_places(node, out, depth=0):
+    """Every (container, key or index) in a JSON document, depth first."""
+    if depth > 16:
+        return
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        out.append((node, k))
+        _json_places(v, out, depth + 1)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(which=st.sampled_from(["state.ckz", "incr.ckz"]), where=st.floats(0, 1, exclude_max=True),
+       edit=st.sampled_from(["set", "delete", "add"]), value=json_values)
+def test_fuzz_any_manifest_place(deep_seeds, which, where, edit, value):
+    """Any value at any place of the manifest (storage records, transform parameters, reference
+    records, base records and their located storages, the object tree), deleted, or a known
+    field name added where it does not belong, with valid checksums: opening, reading keys and
+    tensors, loading and verifying give a named error or a well-formed object."""
+    data, doc, rows = read_parts(deep_seeds / which)
+    places: list = []
+    _json_places(doc, places)
+    node, key = places[int(where * len(places))]
+    if edit == "set":
+        node[key] = value
+    elif edit == "delete":
+        del node[key]
+    elif isinstance(node, dict):  # a field name the reader knows, at a place it was not written
+        node[("ref", "rows", "width", "members", "offset", "s", "dtype", "storages")[int(where * 8)]] = value
+    q = deep_seeds / "fuzzed.ckz"
+    write_parts(q, data, doc, rows)
+    for step in (lambda r: [r.get_tensor(k) for k in r.keys()[:4]], lambda r: r.load(), lambda r: r.verify()):
+        try:
+            with ckptzip.open(q) as r:
+                step(r)
+        except ckptzip.CkptzipError:
+            pass
+
+
 @pytest.mark.parametrize("where", [0, "mid", -1])
 def test_parallel_read_parts_check_every_chunk(tmp_path, where):
     """Batches of 8 MiB and more are read and checksummed in parallel parts: a damaged chunk in
