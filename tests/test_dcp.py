@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptzip
 from ckptzip.dcp import (COMMIT_NAME, METADATA_NAME, DCPMetadataError, IncompleteCheckpointError, Reader,
-                         Writer, consolidate, item_key, read_metadata)
+                         Writer, consolidate, item_key, read_full, read_metadata)
 from ckptzip.errors import CorruptFileError, PickleNotAllowedError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -485,6 +485,13 @@ def _mutations():
     yield "chunk not stored", lambda d: d.update(storage_data=[it for it in d["storage_data"] if it["fqn"] != "a"])
     yield "duplicate key", lambda d: d["storage_data"][1].update(key=d["storage_data"][0]["key"])
     yield "planner_data", lambda d: d.update(planner_data={"a": [{"$": 1}]})
+    # object paths that DCP's rebuilding of the nested state dict (read_full) cannot follow
+    yield "planner_data huge index", lambda d: d["planner_data"].update(a=["a", 2**64])
+    yield "planner_data negative index", lambda d: d["planner_data"].update(a=["a", -1])
+    yield "planner_data int at the root", lambda d: d["planner_data"].update(a=[0])
+    yield "planner_data dict and list", lambda d: d["planner_data"].update(a=["n", 7])
+    yield "planner_data item inside an item", lambda d: d["planner_data"].update(a=["step", "x"])
+    yield "planner_data two items one place", lambda d: d["planner_data"].update(a=["step"])
     yield "file bytes", lambda d: d["files"].update({k: {"bytes": -1} for k in d["files"]})
 
 
@@ -505,6 +512,8 @@ def test_forged_metadata_refused_without_unpickling(tmp_path, name, mutate):
     assert isinstance(ei.value, CorruptFileError)
     with pytest.raises(CheckpointException, match=_refused("DCPMetadataError")):
         dcp.load(_fresh(st), storage_reader=Reader(p))
+    with pytest.raises(DCPMetadataError):  # the whole state rebuilt in one process (consolidate)
+        read_full(p)
     assert not os.path.exists(marker)
 
 

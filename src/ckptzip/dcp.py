@@ -388,6 +388,7 @@ def parse_metadata_json(raw: bytes) -> tuple[Metadata, dict[str, int]]:
                     not all(type(x) is str or _is_int(x) for x in path):
                 raise _bad(f"planner_data[{k!r:.200}] must be a non-empty list of str / int for a known fqn")
             planner_data[k] = tuple(path)
+        _check_object_paths(planner_data)
 
     sm = doc["storage_meta"]
     storage_meta = StorageMeta()
@@ -400,6 +401,47 @@ def parse_metadata_json(raw: bytes) -> tuple[Metadata, dict[str, int]]:
     md = Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage,
                   storage_meta=storage_meta, version=doc["dcp_version"])
     return md, files
+
+
+#: planner_data's list indices may imply at most this many list slots per item, plus a constant
+#: (DCP fills a list up to its largest index with None: a forged index of 2**64 was a
+#: MemoryError, or an unbounded allocation without a memory limit, in read_full / consolidate)
+_SLOTS_PER_ITEM = 16
+_SLOTS_EXTRA = 1024
+
+
+def _check_object_paths(paths: dict[str, tuple]) -> None:
+    """planner_data's object paths must form one tree as DCP's flattening makes it (a dict's keys
+    are str, a list's indices int; the root is a dict), so that rebuilding the nested state dict
+    (``read_full``, which DCP does with ``set_element``) meets no container of the wrong kind and
+    allocates O(metadata) memory: no place is both a dict and a list, no item's place is another
+    item's or inside it, and indices are non-negative and bounded in all (:data:`_SLOTS_PER_ITEM`).
+    One walk of a trie (time linear in the paths' total length)."""
+    root: list = [str, {}, False, -1]  # a place: [type of its keys, children, an item's?, largest index]
+    slots = 0  # list slots the rebuilt state dict will hold (each list's largest index + 1)
+    for fqn, path in paths.items():
+        node = root
+        for key in path:
+            kind = type(key)
+            if node[2]:
+                raise _bad(f"planner_data[{fqn!r:.200}]: its place is inside another item's")
+            if node[0] is None:
+                node[0] = kind
+            elif node[0] is not kind:
+                raise _bad(f"planner_data[{fqn!r:.200}]: a place is used both as a dict and as a list"
+                           if node is not root else f"planner_data[{fqn!r:.200}]: the state dict's own keys are str")
+            if kind is int:
+                if key < 0:
+                    raise _bad(f"planner_data[{fqn!r:.200}]: a negative list index")
+                if key > node[3]:
+                    slots += key - node[3]
+                    node[3] = key
+                    if slots > _SLOTS_PER_ITEM * len(paths) + _SLOTS_EXTRA:
+                        raise _bad("planner_data: list indices far beyond the number of items")
+            node = node[1].setdefault(key, [None, {}, False, -1])
+        if node[2] or node[1]:
+            raise _bad(f"planner_data[{fqn!r:.200}]: its place is another item's, or holds other items")
+        node[2] = True
 
 
 def commit_marker(path: str) -> dict[str, Any]:
@@ -1006,6 +1048,9 @@ def read_full(path: str | os.PathLike, **reader_kwargs: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    # the metadata checked first: DCP >= 2.13 reports a reader's refused metadata as its own
+    # AssertionError ("metadata is None"), with ckptzip's error only in the message
+    read_metadata(path)
     sd: dict[str, Any] = {}
     try:
         _load_state_dict(sd, storage_reader=Reader(path, **reader_kwargs),
