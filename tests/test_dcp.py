@@ -492,6 +492,7 @@ def _mutations():
     yield "planner_data dict and list", lambda d: d["planner_data"].update(a=["n", 7])
     yield "planner_data item inside an item", lambda d: d["planner_data"].update(a=["step", "x"])
     yield "planner_data two items one place", lambda d: d["planner_data"].update(a=["step"])
+    yield "planner_data path not the name", lambda d: d["planner_data"].update({"n.b": ["n", "c"]})
     yield "file bytes", lambda d: d["files"].update({k: {"bytes": -1} for k in d["files"]})
 
 
@@ -515,6 +516,40 @@ def test_forged_metadata_refused_without_unpickling(tmp_path, name, mutate):
     with pytest.raises(DCPMetadataError):  # the whole state rebuilt in one process (consolidate)
         read_full(p)
     assert not os.path.exists(marker)
+
+
+def _renamed(d, old, fqn, path):
+    """The metadata with item ``old`` renamed ``fqn`` at object path ``path`` everywhere (its
+    metadata, storage entries and planner path), as a forger keeps a file consistent."""
+    d["state_dict_metadata"][fqn] = d["state_dict_metadata"].pop(old)
+    for it in d["storage_data"]:
+        if it["fqn"] == old:
+            it["fqn"] = fqn
+    del d["planner_data"][old]
+    d["planner_data"][fqn] = path
+
+
+@pytest.mark.parametrize("old,fqn,path", [
+    ("l.1", f"l.{2**64}", ["l", 2**64]),      # DCP would append None up to index 2**64
+    ("l.1", "l.-1", ["l", -1]),               # a negative index
+    ("n.b", "l.b", ["l", "b"]),               # one place both a list and a dict
+    ("n.b", "step.b", ["step", "b"]),         # an item inside another item
+    ("step", "0", [0]),                       # an int key in the state dict itself
+], ids=["huge index", "negative index", "list and dict", "item in an item", "int at the root"])
+def test_forged_object_paths_refused(tmp_path, old, fqn, path):
+    """planner_data's object paths, each spelling its item's name, that DCP's rebuilding of the
+    nested state dict (read_full, consolidate) cannot follow or would follow without a memory
+    bound: a named error before anything is rebuilt."""
+    p = str(tmp_path / "c")
+    dcp.save({"l": [torch.ones(2), torch.ones(3)], "n": {"b": torch.arange(4)}, "step": 3},
+             storage_writer=Writer(p), no_dist=True)
+    doc = json.load(open(os.path.join(p, METADATA_NAME)))
+    _renamed(doc, old, fqn, path)
+    _forge(p, json.dumps(doc).encode())
+    with pytest.raises(DCPMetadataError, match="planner_data"):
+        read_metadata(p)
+    with pytest.raises(DCPMetadataError, match="planner_data"):
+        consolidate(p, str(tmp_path / "full.ckz"))
 
 
 def test_pickle_in_bytes_item_refused_by_default(tmp_path):

@@ -387,6 +387,8 @@ def parse_metadata_json(raw: bytes) -> tuple[Metadata, dict[str, int]]:
             if k not in sdm or type(path) is not list or not path or len(path) > 256 or \
                     not all(type(x) is str or _is_int(x) for x in path):
                 raise _bad(f"planner_data[{k!r:.200}] must be a non-empty list of str / int for a known fqn")
+            if ".".join(map(str, path)) != k:  # (DCP's flattening names every item by its path)
+                raise _bad(f"planner_data[{k!r:.200}]: the path does not spell the item's name")
             planner_data[k] = tuple(path)
         _check_object_paths(planner_data)
 
