@@ -552,6 +552,27 @@ def test_forged_object_paths_refused(tmp_path, old, fqn, path):
         consolidate(p, str(tmp_path / "full.ckz"))
 
 
+def test_declared_tensor_bytes_bounded_by_the_rank_files(tmp_path):
+    """A tensor size the rank files cannot hold (read_full and consolidate allocate whole
+    tensors from the metadata before reading a chunk) is a ResourceLimitError before anything
+    is allocated, unless the caller raises max_bytes; a size torch cannot take is refused."""
+    from ckptzip.errors import ResourceLimitError
+    p = str(tmp_path / "c")
+    _save_single(p)
+    doc = json.load(open(os.path.join(p, METADATA_NAME)))
+    doc["state_dict_metadata"]["a"]["size"] = [1 << 28, 3]  # 3 GiB of float32 in a file of kilobytes
+    _forge(p, json.dumps(doc).encode())
+    with pytest.raises(ResourceLimitError, match="max_bytes"):
+        read_metadata(p)
+    with pytest.raises(ResourceLimitError):
+        consolidate(p, str(tmp_path / "full.ckz"))
+    assert read_metadata(p, max_bytes=1 << 40).state_dict_metadata["a"].size == torch.Size([1 << 28, 3])
+    doc["state_dict_metadata"]["a"]["size"] = [0, 1 << 63]  # no bytes, but no int64 either
+    _forge(p, json.dumps(doc).encode())
+    with pytest.raises(DCPMetadataError, match="2\\*\\*62"):
+        read_metadata(p)
+
+
 def test_pickle_in_bytes_item_refused_by_default(tmp_path):
     p = str(tmp_path / "c")
     marker = str(tmp_path / "PWNED")

@@ -22,6 +22,7 @@ import copy
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import threading
@@ -39,7 +40,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 import ckptzip
-from ckptzip.errors import CkptzipError, CorruptFileError, PickleNotAllowedError
+from ckptzip.errors import CkptzipError, CorruptFileError, PickleNotAllowedError, ResourceLimitError
 from ckptzip.storage import is_url, local_path, open_for_write
 from ckptzip.validate import strict_json
 
@@ -258,8 +259,8 @@ def _is_int(x: Any) -> bool:
 
 
 def _int_list(x: Any, what: str, ndim: int | None = None) -> list[int]:
-    if type(x) is not list or len(x) > MAX_NDIM or not all(_is_int(v) and v >= 0 for v in x):
-        raise _bad(f"{what} must be a list of at most {MAX_NDIM} non-negative ints, got {x!r:.200}")
+    if type(x) is not list or len(x) > MAX_NDIM or not all(_is_int(v) and 0 <= v < MAX_DIM for v in x):
+        raise _bad(f"{what} must be a list of at most {MAX_NDIM} non-negative ints under 2**62, got {x!r:.200}")
     if ndim is not None and len(x) != ndim:
         raise _bad(f"{what} has {len(x)} dims, the tensor has {ndim}")
     return x
@@ -274,7 +275,19 @@ def _want(d: Any, keys: set[str], what: str, optional: set[str] = frozenset()) -
         raise _bad(f"{what}: missing fields {sorted(missing)}, unknown fields {sorted(extra)}")
 
 
-def parse_metadata_json(raw: bytes) -> tuple[Metadata, dict[str, int]]:
+#: a tensor dimension, offset or chunk size must be below this (torch takes sizes as int64)
+MAX_DIM = 1 << 62
+
+
+def _declared_limit(files: dict[str, int]) -> int:
+    """The most tensor bytes a checkpoint of these rank files may declare: what ckptzip's reader
+    lets each file decode (``max(1 GiB, 4096 x its size)``, :attr:`ckptzip.CheckpointReader.max_bytes`),
+    summed over the files."""
+    from ckptzip.api import DEFAULT_EXPANSION, DEFAULT_MIN_BYTES
+    return sum(max(DEFAULT_MIN_BYTES, DEFAULT_EXPANSION * n) for n in files.values())
+
+
+def parse_metadata_json(raw: bytes, max_bytes: int | None = None) -> tuple[Metadata, dict[str, int]]:
     """Validate the JSON metadata document and rebuild DCP's ``Metadata`` from it (never
     unpickles). Returns the Metadata (``storage_data``: MetadataIndex -> ``_Stored``) and the
     ``{file name: bytes}`` table. Raises :class:`DCPMetadataError` on anything malformed."""
@@ -302,6 +315,10 @@ def parse_metadata_json(raw: bytes) -> tuple[Metadata, dict[str, int]]:
     sdm: dict[str, Any] = {}
     if type(doc["state_dict_metadata"]) is not dict:
         raise _bad("state_dict_metadata must be an object")
+    # whole tensors are allocated from these sizes before any chunk is read (read_full, DCP's
+    # empty-state-dict planner): their bytes are bounded by the files' before anything else
+    limit = _declared_limit(files) if max_bytes is None else max_bytes
+    declared = 0
     for fqn, m in doc["state_dict_metadata"].items():
         w = f"state_dict_metadata[{fqn!r:.200}]"
         if type(m) is not dict or m.get("type") not in ("tensor", "bytes"):
@@ -322,6 +339,12 @@ def parse_metadata_json(raw: bytes) -> tuple[Metadata, dict[str, int]]:
         if type(p["requires_grad"]) is not bool or type(p["pin_memory"]) is not bool:
             raise _bad(f"{w}: requires_grad and pin_memory must be booleans")
         size = _int_list(m["size"], f"{w}.size")
+        declared += math.prod(size) * _DTYPES[p["dtype"]].itemsize
+        if declared > limit:
+            raise ResourceLimitError(
+                f"DCP metadata declares more than {limit} tensor bytes (at {fqn!r:.200}), more than its rank "
+                f"files may hold (default: max(1 GiB, 4096 x each file's size), summed); if you trust this "
+                f"checkpoint, pass a larger max_bytes to Reader / read_full / read_metadata")
         if type(m["chunks"]) is not list:
             raise _bad(f"{w}.chunks must be a list")
         chunks = []
@@ -467,7 +490,7 @@ def _check_commit(path: str, raw: bytes) -> None:
             f"{path}: {COMMIT_NAME} marker does not match {METADATA_NAME} (a later save was interrupted)")
 
 
-def read_metadata(path: str | os.PathLike, *, check_files: bool = True) -> Metadata:
+def read_metadata(path: str | os.PathLike, *, check_files: bool = True, max_bytes: int | None = None) -> Metadata:
     """Read, check and rebuild the DCP ``Metadata`` of a ckptzip DCP checkpoint directory.
 
     Raises :class:`IncompleteCheckpointError` without a valid commit marker or when a referenced
@@ -479,7 +502,7 @@ def read_metadata(path: str | os.PathLike, *, check_files: bool = True) -> Metad
             raise not_a_checkpoint(path)
         raise IncompleteCheckpointError(f"{path}: {METADATA_NAME} is missing")
     _check_commit(path, raw)
-    md, files = parse_metadata_json(raw)
+    md, files = parse_metadata_json(raw, max_bytes)
     if check_files:
         for name, n in files.items():
             got = _size(_join(path, name))
@@ -829,7 +852,9 @@ class Writer(_PathId, StorageWriter):
                 files[s.file] = s.file_bytes
         doc = _metadata_to_json(metadata, storage, self.storage_meta(), files)
         raw = json.dumps(doc, separators=(",", ":"), sort_keys=False).encode("utf-8")
-        parse_metadata_json(raw)  # never commit something the reader would refuse
+        # never commit something the reader would refuse (beyond the size bound, which a reader
+        # lifts with max_bytes for a state that compresses more than 4096 x)
+        parse_metadata_json(raw, max_bytes=1 << 200)
         _write_atomic(_join(self.path, METADATA_NAME), raw)
         marker = {"format": FORMAT, "format_version": FORMAT_VERSION,
                   "metadata_sha256": hashlib.sha256(raw).hexdigest(), "save_id": self.save_id}
@@ -883,10 +908,12 @@ class Reader(_PathId, StorageReader):
     memory a load adds on the target's device is then one decoded chunk plus the engine's
     decode window."""
 
-    def __init__(self, path: str | os.PathLike, *, allow_pickle: bool = False, cache_bytes: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike, *, allow_pickle: bool = False, cache_bytes: int = 0,
+                 max_bytes: int | None = None) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.allow_pickle = allow_pickle
+        self.max_bytes = max_bytes
         self.cache_bytes = cache_bytes
         self.storage_data: dict[MetadataIndex, _Stored] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
@@ -899,7 +926,7 @@ class Reader(_PathId, StorageReader):
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self) -> Metadata:  # no **kwargs: no fallback to per-rank metadata
-        md = read_metadata(self.path)
+        md = read_metadata(self.path, max_bytes=self.max_bytes)
         md.storage_meta.load_id = self.load_id
         return md
 
@@ -1052,7 +1079,7 @@ def read_full(path: str | os.PathLike, **reader_kwargs: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     # the metadata checked first: DCP >= 2.13 reports a reader's refused metadata as its own
     # AssertionError ("metadata is None"), with ckptzip's error only in the message
-    read_metadata(path)
+    read_metadata(path, max_bytes=reader_kwargs.get("max_bytes"))
     sd: dict[str, Any] = {}
     try:
         _load_state_dict(sd, storage_reader=Reader(path, **reader_kwargs),
