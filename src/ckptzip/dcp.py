@@ -277,6 +277,9 @@ def _want(d: Any, keys: set[str], what: str, optional: set[str] = frozenset()) -
 
 #: a tensor dimension, offset or chunk size must be below this (torch takes sizes as int64)
 MAX_DIM = 1 << 62
+#: ``max_bytes`` for reads of the metadata that allocate nothing from it (the writer's own
+#: check, a base's commit check, the manager's listing): no bound on the declared bytes
+NO_BYTES_LIMIT = 1 << 200
 
 
 def _declared_limit(files: dict[str, int]) -> int:
@@ -702,7 +705,7 @@ class Writer(_PathId, StorageWriter):
         base = os.fspath(self.base)
         if is_url(base) or is_url(self.path):
             raise ValueError("ckptzip.dcp.Writer(base=...): incremental saves need local directories")
-        read_metadata(base, check_files=False)  # committed, or a named error (the file itself is
+        read_metadata(base, check_files=False, max_bytes=NO_BYTES_LIMIT)  # committed, or a named error (the file itself is
         # checked by size and manifest hash when it is read as the base)
         p = os.path.join(local_path(base), name)
         return p if os.path.isfile(p) else None
@@ -854,7 +857,7 @@ class Writer(_PathId, StorageWriter):
         raw = json.dumps(doc, separators=(",", ":"), sort_keys=False).encode("utf-8")
         # never commit something the reader would refuse (beyond the size bound, which a reader
         # lifts with max_bytes for a state that compresses more than 4096 x)
-        parse_metadata_json(raw, max_bytes=1 << 200)
+        parse_metadata_json(raw, max_bytes=NO_BYTES_LIMIT)
         _write_atomic(_join(self.path, METADATA_NAME), raw)
         marker = {"format": FORMAT, "format_version": FORMAT_VERSION,
                   "metadata_sha256": hashlib.sha256(raw).hexdigest(), "save_id": self.save_id}
@@ -906,7 +909,9 @@ class Reader(_PathId, StorageReader):
     ``allow_pickle=True``. ``cache_bytes`` (default 0): decoded chunks kept beyond the one being
     served (read items are served chunk by chunk, so more only helps an unusual planner); the
     memory a load adds on the target's device is then one decoded chunk plus the engine's
-    decode window."""
+    decode window. ``max_bytes``: the most tensor bytes the metadata may declare (default: what
+    the rank files may hold, ``max(1 GiB, 4096 x size)`` each, summed; more is a
+    :class:`~ckptzip.ResourceLimitError`)."""
 
     def __init__(self, path: str | os.PathLike, *, allow_pickle: bool = False, cache_bytes: int = 0,
                  max_bytes: int | None = None) -> None:

@@ -433,7 +433,7 @@ class CheckpointManager:
     def _check_dcp(self, step: int, info: dict, listing: dict) -> str | None:
         """Why the distributed checkpoint ``step`` (its manager marker ``info``) is not
         committed, or None."""
-        from .dcp import COMMIT_NAME, DCPMetadataError, commit_marker, read_metadata
+        from .dcp import COMMIT_NAME, NO_BYTES_LIMIT, DCPMetadataError, commit_marker, read_metadata
         if info["dir"] != _dir_name(step):
             return f"marker's dir {info['dir']!r} is not {_dir_name(step)!r}"
         if not {"step", "dir", "metadata_sha256"} <= set(info) <= {"step", "dir", "metadata_sha256", "base",
@@ -462,7 +462,7 @@ class CheckpointManager:
         if sha != info["metadata_sha256"]:
             return f"{_dir_name(step)}/{COMMIT_NAME} belongs to another save than the marker"
         try:
-            read_metadata(here, check_files=True)
+            read_metadata(here, check_files=True, max_bytes=NO_BYTES_LIMIT)  # (a listing allocates nothing)
         except DCPMetadataError as e:
             return rel(e)
         except OSError as e:
@@ -470,9 +470,9 @@ class CheckpointManager:
         return None
 
     def _dcp_bytes(self, step: int) -> int | None:
-        from .dcp import read_metadata
+        from .dcp import NO_BYTES_LIMIT, read_metadata
         try:
-            md = read_metadata(self.dir_path(step), check_files=False)
+            md = read_metadata(self.dir_path(step), check_files=False, max_bytes=NO_BYTES_LIMIT)
         except Exception:
             return None
         return sum({s.file: s.file_bytes for s in md.storage_data.values()}.values())
