@@ -644,3 +644,24 @@ def test_spawn_reports_a_crash_after_every_rank_finished_as_a_warning():
 def test_spawn_fails_on_a_segfault_before_the_ranks_finished_even_with_retry():
     with pytest.raises(mp.ProcessExitedException, match="SIGSEGV"):
         _spawn(_w_segfault, 2, retry=True)
+
+
+def test_manager_lists_a_checkpoint_beyond_the_bytes_bound_and_refuses_to_load_it(tmp_path):
+    """Listing a distributed checkpoint allocates nothing from its metadata, so declared sizes
+    beyond the rank files' bound do not hide the step; loading it (read_full) is the named
+    ResourceLimitError before any allocation."""
+    from ckptzip.errors import ResourceLimitError
+    m = ckptzip.CheckpointManager(tmp_path, keep_last=None, distributed=True)
+    m.save(1, {"a": torch.ones(3)})
+    d = m.dir_path(1)
+    doc = json.load(open(os.path.join(d, METADATA_NAME)))
+    doc["state_dict_metadata"]["a"]["size"] = [1 << 30]  # 4 GiB of float32 in a file of kilobytes
+    raw = json.dumps(doc).encode()
+    _forge(d, raw)
+    marker = tmp_path / "step-000000001.commit"
+    info = json.loads(marker.read_text())
+    info["metadata_sha256"] = hashlib.sha256(raw).hexdigest()
+    marker.write_text(json.dumps(info))
+    assert m.steps() == [1]
+    with pytest.raises(ResourceLimitError, match="max_bytes"):
+        m.load(1)
