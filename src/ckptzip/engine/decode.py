@@ -643,9 +643,10 @@ def _fused_plan(rows: np.ndarray, grp: list, mem: bool = False) -> FusedPlan | N
     nbytes = np.fromiter((grp[k][4] - grp[k][3] for k in want), np.int64, len(want))
     cols, ok = _fused_tables(rows[idx], c, np.fromiter((t.width for t in tfs), np.int64, len(tfs)),
                              np.fromiter((t.block for t in tfs), np.int64, len(tfs)), nbytes)
-    # each batch's whole cost (_piece_cost of all its words): its bytes, and 3 more per byte of
-    # its zstd-coded chunks
-    whole = (nbytes + 3 * np.add.reduceat(np.where(cols[0] >= 256, cols[2], 0), np.cumsum(c) - c)).tolist()
+    # each batch's whole cost (_piece_cost of all its words): its bytes, and CODED_EXTRA more per
+    # byte of its zstd-coded chunks
+    whole = (nbytes + CODED_EXTRA * np.add.reduceat(np.where(cols[0] >= 256, cols[2], 0),
+                                                    np.cumsum(c) - c)).tolist()
     items, flags, costs = [], [False] * len(grp), []
     mask = np.zeros(len(rows), dtype=bool)
     at = 0
@@ -773,6 +774,11 @@ def _queue_post(job: Job, a: int, b: int):
     return False if step is None else step
 
 
+#: what a zstd-coded byte of a fused batch costs beyond a byte assembled from stored planes, in
+#: units of the latter (:func:`_piece_cost`, and the whole batches' costs in :func:`_fused_plan`)
+CODED_EXTRA = 3
+
+
 def _piece_cost(item, w0: int, w1: int) -> float:
     """Estimated decode time of words ``w0:w1`` of a fused batch, in units of a byte assembled
     from stored planes: a zstd-coded byte costs about 4 (the 2-core VM: 0.6-1.7 GB/s a core
@@ -780,7 +786,7 @@ def _piece_cost(item, w0: int, w1: int) -> float:
     t = item[4]
     lo, hi = np.maximum(t[1], w0), np.minimum(t[1] + t[2], w1)
     coded = int(np.sum(np.where((t[0] >= 256) & (hi > lo), hi - lo, 0)))
-    return (w1 - w0) * item[0].tf.width + 3 * coded
+    return (w1 - w0) * item[0].tf.width + CODED_EXTRA * coded
 
 
 def _np_copy_segments(src: np.ndarray, soffs: np.ndarray, dst: np.ndarray, doffs: np.ndarray,
