@@ -1082,9 +1082,6 @@ def read_full(path: str | os.PathLike, **reader_kwargs: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-    # the metadata checked first: DCP >= 2.13 reports a reader's refused metadata as its own
-    # AssertionError ("metadata is None"), with ckptzip's error only in the message
-    read_metadata(path, max_bytes=reader_kwargs.get("max_bytes"))
     sd: dict[str, Any] = {}
     try:
         _load_state_dict(sd, storage_reader=Reader(path, **reader_kwargs),
@@ -1092,6 +1089,10 @@ def read_full(path: str | os.PathLike, **reader_kwargs: Any) -> dict[str, Any]:
     except CheckpointException as e:  # one process: raise its error itself (e.g. a missing base)
         first = next(iter(getattr(e, "failures", {}).values()), None)
         first = first[0] if isinstance(first, tuple) else first
+        if not isinstance(first, CkptzipError):
+            # DCP >= 2.13 reports a reader's refused metadata as its own AssertionError
+            # ("metadata is None"), with ckptzip's error only in the message: raise that error
+            read_metadata(path, max_bytes=reader_kwargs.get("max_bytes"))
         if isinstance(first, Exception):
             raise first from None
         raise
