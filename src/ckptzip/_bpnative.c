@@ -1314,7 +1314,7 @@ static void fused_run(const fused_t *f, const uint8_t *sb, char *msg, size_t cap
         if (mem) mem += f->most[k];
     }
     for (long long s = w0; s < w1 && !*no_memory && !msg[0];) {
-        const uint8_t *pp[8];
+        const uint8_t *pp[8] = {0}; /* (every one is set below; gcc 13 cannot tell) */
         long long e = w1;
         for (int k = 0; k < w && !msg[0]; k++) {
             Py_ssize_t i = idx[cur[k]];
