@@ -523,9 +523,14 @@ def test_ls_shows_status_and_distributed_entries(tmp_path, capsys):
     st = {e["step"]: (e["status"], e["kind"]) for e in doc["entries"]}
     assert st == {1: ("committed", "file"), 2: ("committed", "dcp"), 3: ("uncommitted", "file"),
                   4: ("damaged", "file")}
+    # a committed entry names the checkpoint itself (what `ckptzip info` takes), a damaged one its marker
+    assert {e["step"]: e["name"] for e in doc["entries"]} == {
+        1: "step-000000001.ckz", 2: "step-000000002", 3: "step-000000003.ckz", 4: "step-000000004.commit"}
+    assert cli("info", tmp_path / doc["entries"][0]["name"], "--json") == 0
+    capsys.readouterr()
     assert cli("ls", tmp_path) == 0
     out = capsys.readouterr().out
-    for word in ("committed", "uncommitted", "damaged", "dcp"):
+    for word in ("committed", "uncommitted", "damaged", "dcp", "step-000000001.ckz", "step-000000002/"):
         assert word in out
     assert "not UTF-8 JSON" in [e for e in doc["entries"] if e["step"] == 4][0]["reason"]
     assert md.load(2, state={"a": torch.zeros(3)})["a"].sum() == 3

@@ -281,7 +281,8 @@ def test_distributed_manager_rotation_and_layout(dist_ckpts, name):
                                         "step-000000030", "step-000000030.commit"]
     mgr = CheckpointManager(root)  # file-mode manager lists distributed checkpoints too
     es = mgr.entries()
-    assert [(e.step, e.status, e.kind) for e in es] == [(20, "committed", "dcp"), (30, "committed", "dcp")]
+    assert [(e.step, e.status, e.kind, e.name) for e in es] == [(20, "committed", "dcp", "step-000000020"),
+                                                               (30, "committed", "dcp", "step-000000030")]
     assert all(e.bytes and e.bytes > 0 for e in es)
     marker = json.loads(open(os.path.join(root, "step-000000030.commit")).read())
     dcp_marker = json.loads(open(os.path.join(root, "step-000000030", COMMIT_NAME)).read())

@@ -160,7 +160,7 @@ def test_keep_last_and_keep_every_semantics(tmp_path):
 def test_entries_of_a_healthy_directory_and_wide_steps(tmp_path):
     m = fill(tmp_path, steps=(3, 1_234_567_890))
     assert [(e.step, e.status, e.name) for e in m.entries()] == [
-        (3, "committed", "step-000000003.commit"), (1_234_567_890, "committed", "step-1234567890.commit")]
+        (3, "committed", "step-000000003.ckz"), (1_234_567_890, "committed", "step-1234567890.ckz")]
     assert m.latest() == 1_234_567_890 and torch.equal(m.load(3)["w"], st(3)["w"])
     info = json.loads((tmp_path / "step-000000003.commit").read_text())
     assert info == {"step": 3, "file": "step-000000003.ckz", "bytes": os.path.getsize(m.path(3))}

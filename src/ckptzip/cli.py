@@ -485,7 +485,7 @@ def cmd_info(a) -> int:
     for r in rows:
         shared = r["storage"] in seen
         seen.add(r["storage"])
-        t.add_row(text(r["key"]), text(r["dtype"]), text(_shape(r["shape"])),
+        t.add_row(text(r["key"] or "(the whole object)"), text(r["dtype"]), text(_shape(r["shape"])),
                   text(f"{r['raw_bytes']:,}"), text("shared" if shared else f"{r['stored_bytes']:,}"),
                   text("" if shared else f"{r['stored_bytes'] / max(1, r['raw_bytes']):.3f}"),
                   text(r["codec"] + (f" ({r['choice']})" if r["choice"] else "")))
@@ -498,7 +498,7 @@ def cmd_info(a) -> int:
                  f"manifest sha256 {str(b.get('sha256'))[:16]}...); `ckptzip convert` writes a full copy"))
     say(line(f"tensor bytes {head['raw_bytes']:,} -> file {head['file_bytes']:,} "
              f"(ratio {head['file_bytes'] / max(1, head['raw_bytes']):.3f}), "
-             f"{head['storages']} storages, {head['chunks']} chunks"))
+             f"{_count(head['storages'], 'storage')}, {_count(head['chunks'], 'chunk')}"))
     return 0
 
 
@@ -716,13 +716,13 @@ def add_save_options(sp: argparse.ArgumentParser, codec_default: str) -> None:
     """The encoding options shared by ``compress`` and ``convert``."""
     g = sp.add_argument_group("encoding options")
     g.add_argument("--codec", type=_codec_type, default=codec_default, metavar="CODEC",
-                   help="auto (zstd on the CPU; on a GPU nvCOMP ANS, or zstd when --portable), "
+                   help="auto (zstd on the CPU; on a GPU nvCOMP ANS, or deflate when --portable), "
                         "zstd, deflate, raw (any CPU decodes these), or GPU-only ans, bitcomp, "
                         "gdeflate, lz4, snappy, cascaded; or a JSON wire config such as "
                         "'{\"id\": \"ans\", \"data_type\": \"<f2\"}'")
     g.add_argument("--level", type=int, default=None,
                    help="compression level for CPU zstd (1 to 22, higher is smaller and slower; "
-                        "negative levels are faster) or deflate (0 to 9); other codecs and GPU "
+                        "negative levels, down to -131072, are faster) or deflate (0 to 9); other codecs and GPU "
                         "encoding have none. Default: the codec's own (zstd 3, deflate 6)")
     g.add_argument("--chunk-size", type=_size_type, default=DEFAULT_CHUNK, metavar="BYTES",
                    help=f"uncompressed bytes per chunk, {MIN_CHUNK} to {MAX_CHUNK} (16M); K and M "
@@ -862,9 +862,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("src", help="checkpoint to export from")
     ex.add_argument("dst", help="output .ckz file, or directory for --format compressed-tensors")
     ex.add_argument("--scheme", default="auto",
-                    help="auto (per-tensor allocation under --bpw or --max-loss-increase) or one of "
-                         "bf16, fp8, int8, int6, int5, int4, int3, int2, optionally -g32/-g64/-g128 "
-                         "(group size, default 128) and -sym (symmetric; default asymmetric)")
+                    help="auto (the default: per-tensor allocation under --bpw or --max-loss-increase) "
+                         "or one of bf16, fp8, int8, int6, int5, int4, int3, int2, optionally "
+                         "-g32/-g64/-g128 (group size, default 128) and -sym (symmetric; default asymmetric)")
     ex.add_argument("--bpw", type=_positive(float), default=None,
                     help="bits-per-weight budget of the quantized tensors for --scheme auto "
                          "(default 4.5 without --eval)")
@@ -973,6 +973,8 @@ def main(argv: list[str] | None = None) -> int:
         from .errors import ResourceLimitError
         if isinstance(e, ResourceLimitError):
             hint += " (command line: --max-bytes)"
+        if isinstance(e, CorruptFileError) and str(e).startswith("not a ckptzip file"):
+            hint += " (`ckptzip compress` converts a torch.save or safetensors file)"
         error_line(f"{_named(e)}{hint}")
         return 1
     except BrokenPipeError:  # e.g. `ckptzip info x.ckz | head`

@@ -69,6 +69,8 @@ def pack_footer(manifest_offset: int, manifest: bytes) -> bytes:
 
 def check_header(raw: bytes) -> None:
     if len(raw) < HEADER_SIZE:
+        if raw[:len(MAGIC)] != MAGIC[:len(raw)]:  # (a short file of something else is no truncated .ckz)
+            raise CorruptFileError("not a ckptzip file (bad magic)")
         raise TruncatedFileError("file is shorter than the 16-byte header")
     magic, major, minor, _flags = HEADER.unpack(raw[:HEADER_SIZE])
     if magic != MAGIC:

@@ -81,7 +81,8 @@ class CheckpointEntry(NamedTuple):
     (loadable: listed by ``steps()``), ``"uncommitted"`` (a ``.ckz`` without a marker: a save in
     progress, or one that was interrupted) or ``"damaged"`` (the marker fails validation).
     ``reason``: why, for the last two (None when committed). ``name``: the file the entry is
-    about (the marker's name, or the ``.ckz``'s when there is no marker). ``bytes``: the size of
+    about: the checkpoint's (``step-<step:09d>.ckz``, or its directory for a distributed one)
+    when committed or uncommitted, the marker's when the marker is damaged. ``bytes``: the size of
     the ``.ckz`` file in bytes (None when it does not exist; for a distributed checkpoint the
     total of its rank files when committed, else None). ``kind``: ``"file"`` (a ``.ckz``) or
     ``"dcp"`` (a distributed checkpoint directory ``step-<step:09d>/``).
@@ -507,9 +508,11 @@ class CheckpointManager:
                 why = self._check_marker(step, e, listing)
                 if _dir_name(step) in listing and _ckz_name(step) not in listing:
                     size = None if why else self._dcp_bytes(step)
-                    out.append(CheckpointEntry(step, "damaged" if why else "committed", why, name, size, "dcp"))
+                    out.append(CheckpointEntry(step, "damaged" if why else "committed", why,
+                                               name if why else _dir_name(step), size, "dcp"))
                     continue
-                out.append(CheckpointEntry(step, "damaged" if why else "committed", why, name, size))
+                out.append(CheckpointEntry(step, "damaged" if why else "committed", why,
+                                           name if why else _ckz_name(step), size))
             elif name.startswith("step-") and name.endswith((".commit", ".ckz")) and not _CKZ.fullmatch(name):
                 out.append(CheckpointEntry(None, "damaged", "name is not step-<ASCII digits>"
                                            ".commit/.ckz", name, None))
