@@ -139,9 +139,51 @@ def test_zero1_save_load_resume(dist_env, tmp_path, async_save):
 def test_unknown_object_refused_with_key_path(dist_env, tmp_path):
     eng = _engine()
     ckds.enable(eng)
+    ckds.enable(eng)  # (enabling again checks client_state once, with the new engine)
     _step(eng, 0)
-    with pytest.raises(ckptzip.UnsupportedObjectError, match=r"args \(argparse.Namespace\)"):
+    with pytest.raises(ckptzip.UnsupportedObjectError, match=r"client_state .*args \(argparse.Namespace\)"):
         eng.save_checkpoint(str(tmp_path), tag="t", client_state={"args": argparse.Namespace(lr=1)})
+    assert os.listdir(tmp_path) == []  # refused before DeepSpeed wrote anything
+    eng.save_checkpoint(str(tmp_path), tag="ok", client_state={"lr": 1.0})  # plain values still save
+    assert eng.load_checkpoint(str(tmp_path), tag="ok")[1]["lr"] == 1.0
+
+
+def _refuse_on_every_rank(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    eng = _engine()
+    ckds.enable(eng)
+    try:
+        eng.save_checkpoint(out, tag="t", client_state={"args": argparse.Namespace(lr=1)})
+        got = "saved"
+    except ckptzip.UnsupportedObjectError:
+        got = "refused"
+    torch.distributed.barrier()  # (every rank got here: none waits for one that raised)
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+        f.write(got)
+    torch.distributed.destroy_process_group()
+
+
+def test_client_state_refused_on_every_rank(tmp_path):
+    """Only data-parallel rank 0 writes client_state; a value that needs pickle must fail every
+    rank before DeepSpeed writes or waits at a barrier (it left rank 1 waiting for rank 0)."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_refuse_on_every_rank, args=(r, 2, port, str(tmp_path)))
+             for port in [_free_port()] for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=180)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung"
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert sorted(os.listdir(tmp_path)) == ["rank0.txt", "rank1.txt"]  # no checkpoint file written
+    assert [open(tmp_path / f"rank{r}.txt").read() for r in range(2)] == ["refused", "refused"]
 
 
 # -- the engine class against DeepSpeed's interface, without deepspeed.initialize --------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import functools
 import importlib
 import os
 from collections.abc import Mapping
@@ -162,14 +163,7 @@ class CkptzipCheckpointEngine(CheckpointEngine):
         """Start of ``save_checkpoint(tag)``: nothing to prepare (earlier async writes keep going)."""
 
     def save(self, state_dict: Any, path: str) -> None:
-        packer = _Packer(self.safe_classes, self.allow_pickle)
-        obj = packer.pack(state_dict, "")
-        if packer.bad:
-            raise UnsupportedObjectError(
-                f"cannot save {os.fspath(path)} with ckptzip without pickle: "
-                + ", ".join(packer.bad[:20]) + (" ..." if len(packer.bad) > 20 else "")
-                + "; convert these values, or create the engine with allow_pickle=True "
-                  "(enable(engine, allow_pickle=True)), or add their class to safe_classes")
+        obj = self._packed(state_dict, os.fspath(path))
         if self.async_save:
             self._pending.append(async_save(obj, path, allow_pickle=self.allow_pickle, **self.save_kwargs))
         else:
@@ -195,6 +189,19 @@ class CkptzipCheckpointEngine(CheckpointEngine):
         self.wait()
 
     # -- ckptzip additions --------------------------------------------------------------------
+    def _packed(self, obj: Any, what: str) -> Any:
+        """``obj`` as ckptzip stores it (allow-listed objects as marked dicts), or
+        UnsupportedObjectError naming the key paths of the objects that would need pickle."""
+        packer = _Packer(self.safe_classes, self.allow_pickle)
+        out = packer.pack(obj, "")
+        if packer.bad:
+            raise UnsupportedObjectError(
+                f"cannot save {what} with ckptzip without pickle: "
+                + ", ".join(packer.bad[:20]) + (" ..." if len(packer.bad) > 20 else "")
+                + "; convert these values, or create the engine with allow_pickle=True "
+                  "(enable(engine, allow_pickle=True)), or add their class to safe_classes")
+        return out
+
     def wait(self) -> None:
         """Block until every async write has finished; re-raise the first failure."""
         pending, self._pending = self._pending, []
@@ -221,7 +228,27 @@ def enable(engine: Any, **opts: Any) -> CkptzipCheckpointEngine:
         old.cleanup()
     ce = CkptzipCheckpointEngine(getattr(engine, "_config", None), **opts)
     engine.checkpoint_engine = ce
+    _check_client_state_first(engine, ce)
     return ce
+
+
+def _check_client_state_first(engine: Any, ce: CkptzipCheckpointEngine) -> None:
+    """Make ``engine.save_checkpoint`` check ``client_state`` on every rank before DeepSpeed
+    starts. Only data-parallel rank 0 writes it (in the model file), so a value that needs pickle
+    was refused there alone: the other ranks wrote their optimizer files and waited at DeepSpeed's
+    next barrier for a rank that had raised. Every rank passes ``client_state``, so every rank
+    now raises the same error before anything is written."""
+    save_checkpoint = engine.save_checkpoint
+    if getattr(save_checkpoint, "_ckptzip_checked", False):  # (enable called again)
+        save_checkpoint = save_checkpoint.__wrapped__
+
+    @functools.wraps(save_checkpoint)
+    def checked(save_dir: Any, tag: Any = None, client_state: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if client_state:
+            ce._packed(client_state, "client_state")
+        return save_checkpoint(save_dir, tag, {} if client_state is None else client_state, *args, **kwargs)
+    checked._ckptzip_checked = True  # type: ignore[attr-defined]
+    engine.save_checkpoint = checked
 
 
 __all__ = ["CkptzipCheckpointEngine", "enable", "SAFE_CLASSES", "MARK", "ENGINE_NAME"]
