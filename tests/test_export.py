@@ -110,6 +110,20 @@ def _train_state(m):
             "optimizer": opt.state_dict(), "step": 1, "rng": torch.get_rng_state()}
 
 
+def test_report_names_dropped_lists_of_tensors(tmp_path):
+    """A Lightning checkpoint keeps its optimizer states in a list of dicts: dropped like a dict, and
+    named in the report."""
+    m = _mlp()
+    st = _train_state(m)
+    src = {"state_dict": st["model"], "optimizer_states": [st["optimizer"]], "epoch": 3,
+           "callbacks": {"ModelCheckpoint": {"best_model_score": torch.tensor(0.5)}}, "lr_schedulers": []}
+    r = ex.export(src, tmp_path / "o.ckz", scheme="int8")
+    assert r["model_key"] == "state_dict"
+    assert r["dropped"].keys() == {"optimizer_states", "callbacks"}
+    assert r["dropped"]["optimizer_states"] == "optimizer state"
+    assert r["dropped"]["callbacks"].startswith("not the model weights")
+
+
 def test_detects_model_drops_optimizer_and_duplicate_copy(tmp_path):
     m = _mlp()
     state = _train_state(m)
@@ -119,6 +133,7 @@ def test_detects_model_drops_optimizer_and_duplicate_copy(tmp_path):
     assert r["model_key"] == "model"
     assert r["dropped"]["optimizer"] == "optimizer state"
     assert "duplicate" in r["dropped"]["model_bf16"]
+    assert r["dropped"]["rng"] == "not the model weights" and "step" not in r["dropped"]
     assert set(r["quantized"]) == {"0.weight", "3.weight"}
     assert {"0.bias", "2.weight", "2.bias", "3.bias"} <= set(r["kept"])
     out = ex.load_lossy(tmp_path / "o.ckz", dtype=torch.float32)

@@ -575,15 +575,24 @@ def cmd_consolidate(a) -> int:
 
 
 def _import_eval(spec: str):
-    """``MODULE:FUNCTION`` -> the function (the module is imported: trusted code you named)."""
+    """``MODULE:FUNCTION`` -> the function (the module is imported: trusted code you named),
+    found in the current directory first, as ``python -m ckptzip`` would (the ``ckptzip`` script's
+    sys.path does not hold it)."""
     import importlib
     mod, _, fn = spec.partition(":")
     if not mod or not fn:
         raise UsageError(f"--eval takes MODULE:FUNCTION, not {spec!r}")
+    here = os.getcwd()
+    added = here not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, here)
     try:
         f = getattr(importlib.import_module(mod), fn)
     except (ImportError, AttributeError) as e:
         raise UsageError(f"--eval {spec}: {e}") from None
+    finally:
+        if added:
+            sys.path.remove(here)
     if not callable(f):
         raise UsageError(f"--eval {spec}: not callable")
     return f
@@ -873,7 +882,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(needs --eval; default 0.001 with --eval)")
     ex.add_argument("--eval", default=None, metavar="MODULE:FUNCTION",
                     help="function(weights: dict[str, Tensor]) -> float held-out loss; the module is "
-                         "imported (your code)")
+                         "imported (your code), from the current directory or sys.path")
     ex.add_argument("--keep", action="append", metavar="PATTERN",
                     help="fnmatch pattern of tensor names stored losslessly (repeatable)")
     ex.add_argument("--model-key", default=None, help="key of the model state dict in SRC (default: found)")

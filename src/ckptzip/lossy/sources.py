@@ -58,6 +58,19 @@ def _is_tensor_dict(d: Any) -> bool:
     return isinstance(d, Mapping) and any(isinstance(v, torch.Tensor) for v in _flat(d).values())
 
 
+def _holds_tensors(v: Any, depth: int = 0) -> bool:
+    """Whether a tensor lies anywhere in ``v`` (dicts, lists and tuples; 64 levels deep at most)."""
+    if isinstance(v, torch.Tensor):
+        return True
+    if depth >= 64:
+        return False
+    if isinstance(v, Mapping):
+        return any(_holds_tensors(x, depth + 1) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_holds_tensors(x, depth + 1) for x in v)
+    return False
+
+
 def _flat(d: Mapping, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -151,6 +164,16 @@ def find_weights(obj: Any, model_key: str | None = None) -> tuple[dict[str, torc
             weights = top
             for k in flat_c:
                 notes["dropped"][k] = f"not the model weights (pass model_key={k!r} to export it)"
+    # every other top-level entry that holds tensors is dropped too, lists included (Lightning's
+    # optimizer_states, an RNG state tensor): the report names each one
+    root = notes["model_key"].split(".")[0] if notes["model_key"] is not None else None
+    for k, v in obj.items():
+        k = str(k)
+        if k in notes["dropped"] or k == root or (root is None and isinstance(v, torch.Tensor)):
+            continue  # (no model dict: the top-level tensors are the weights)
+        if _holds_tensors(v):
+            optim = _is_optimizer(k, v) or (isinstance(v, (list, tuple)) and any(_is_optimizer(k, x) for x in v))
+            notes["dropped"][k] = "optimizer state" if optim else "not the model weights"
     weights = {k: v for k, v in weights.items() if isinstance(v, torch.Tensor)}
     if not any(v.is_floating_point() for v in weights.values()):
         raise NoFloatWeightsError(f"no float weights found; top-level keys: {top_keys}")
