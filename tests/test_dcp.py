@@ -665,3 +665,12 @@ def test_manager_lists_a_checkpoint_beyond_the_bytes_bound_and_refuses_to_load_i
     assert m.steps() == [1]
     with pytest.raises(ResourceLimitError, match="max_bytes"):
         m.load(1)
+
+
+def test_writer_refuses_unknown_options_at_construction():
+    """A mistyped option fails where it was written, not inside dcp.save (wrapped in DCP's
+    CheckpointException)."""
+    with pytest.raises(TypeError, match="levle"):
+        Writer("unused", levle=3)
+    w = Writer("unused", level=3, reuse_plan=True, fsync=False)  # ckptzip.save's options, and staging's
+    assert w.save_kwargs == {"level": 3, "fsync": False} and w.stage_kwargs == {"reuse_plan": True}

@@ -567,6 +567,13 @@ _STAGE_ONLY = ("reuse_plan", "gpu_snapshot_bytes")
 _WRITE_ONLY = ("fsync", "progress")
 
 
+def _writer_options() -> set[str]:
+    """The keyword arguments of :class:`Writer` that go to ckptzip.save (less those it sets itself)."""
+    import inspect
+    return (set(inspect.signature(ckptzip.save).parameters) - {"obj", "path", "codec", "portable", "base",
+                                                                 "metadata"}) | set(_STAGE_ONLY)
+
+
 class _Staged:
     """What :meth:`Writer.stage` took: the snapshot of this rank's tensors and the map from a
     tensor's identity to its key in the snapshot."""
@@ -625,6 +632,10 @@ class Writer(_PathId, StorageWriter):
         self.process_group = process_group  # the group DCP numbers rank files by (staging's base file)
         self.codec = codec
         self.portable = portable
+        unknown = sorted(set(save_kwargs) - _writer_options())
+        if unknown:  # (else a typo surfaced only inside dcp.save, wrapped in DCP's CheckpointException)
+            raise TypeError(f"ckptzip.dcp.Writer() got unexpected keyword argument(s) {unknown}; it takes "
+                            f"{sorted(_writer_options())} besides codec, portable, base and process_group")
         self.stage_kwargs = {k: save_kwargs.pop(k) for k in _STAGE_ONLY if k in save_kwargs}
         self.save_kwargs = save_kwargs
         self.save_id = uuid.uuid4().hex
