@@ -38,6 +38,8 @@ def dist_env():
     shm = ops.get("deepspeed_shm_comm")
     ops["deepspeed_shm_comm"] = False
     yield
+    if torch.distributed.is_initialized():  # (later modules start their own groups, or none)
+        torch.distributed.destroy_process_group()
     if shm is not None:
         ops["deepspeed_shm_comm"] = shm
     for k, v in old.items():
@@ -138,7 +140,7 @@ def test_zero1_save_load_resume(dist_env, tmp_path, async_save):
 
 def test_unknown_object_refused_with_key_path(dist_env, tmp_path):
     eng = _engine()
-    ckds.enable(eng)
+    ckds.enable(eng, allow_pickle=True)
     ckds.enable(eng)  # (enabling again checks client_state once, with the new engine)
     _step(eng, 0)
     with pytest.raises(ckptzip.UnsupportedObjectError, match=r"client_state .*args \(argparse.Namespace\)"):

@@ -124,6 +124,19 @@ def test_report_names_dropped_lists_of_tensors(tmp_path):
     assert r["dropped"]["callbacks"].startswith("not the model weights")
 
 
+def test_report_with_a_dotted_top_level_model_key():
+    from ckptzip.lossy.sources import find_weights
+    w = {"fc.weight": torch.randn(4, 4)}
+    for kw in ({}, {"model_key": "model.ema"}):
+        weights, notes = find_weights({"model.ema": w, "step": 1, "opt": {"exp_avg": torch.ones(2)}}, **kw)
+        assert set(weights) == {"fc.weight"} and notes["dropped"] == {"opt": "optimizer state"}, kw
+    weights, notes = find_weights({"model": {"ema": w, "other": {"x": torch.ones(2, 2)}}, "rng": torch.ones(3)},
+                                  model_key="model.ema")  # (a dotted path: its root is "model")
+    assert set(weights) == {"fc.weight"} and notes["dropped"] == {"rng": "not the model weights"}
+    big = {"model": w, "perm": list(range(2_000_000))}  # (plain ints: no call per element)
+    assert find_weights(big)[1]["dropped"] == {}
+
+
 def test_detects_model_drops_optimizer_and_duplicate_copy(tmp_path):
     m = _mlp()
     state = _train_state(m)

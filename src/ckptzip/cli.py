@@ -576,23 +576,20 @@ def cmd_consolidate(a) -> int:
 
 def _import_eval(spec: str):
     """``MODULE:FUNCTION`` -> the function (the module is imported: trusted code you named),
-    found in the current directory first, as ``python -m ckptzip`` would (the ``ckptzip`` script's
-    sys.path does not hold it)."""
+    found in the current directory first, as ``python -m ckptzip`` would: the ``ckptzip``
+    script's sys.path does not hold it, so it is added for the rest of this (short) process, where
+    the function's own imports and spawned DataLoader workers look too."""
     import importlib
     mod, _, fn = spec.partition(":")
     if not mod or not fn:
         raise UsageError(f"--eval takes MODULE:FUNCTION, not {spec!r}")
     here = os.getcwd()
-    added = here not in sys.path and "" not in sys.path
-    if added:
+    if here not in sys.path and "" not in sys.path:
         sys.path.insert(0, here)
     try:
         f = getattr(importlib.import_module(mod), fn)
     except (ImportError, AttributeError) as e:
         raise UsageError(f"--eval {spec}: {e}") from None
-    finally:
-        if added:
-            sys.path.remove(here)
     if not callable(f):
         raise UsageError(f"--eval {spec}: not callable")
     return f

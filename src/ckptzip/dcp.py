@@ -635,7 +635,9 @@ class Writer(_PathId, StorageWriter):
         unknown = sorted(set(save_kwargs) - _writer_options())
         if unknown:  # (else a typo surfaced only inside dcp.save, wrapped in DCP's CheckpointException)
             raise TypeError(f"ckptzip.dcp.Writer() got unexpected keyword argument(s) {unknown}; it takes "
-                            f"{sorted(_writer_options())} besides codec, portable, base and process_group")
+                            f"{sorted(_writer_options())} besides codec, portable, base and process_group"
+                            + (" (metadata is the Writer's own: each rank file records its rank)"
+                               if "metadata" in unknown else ""))
         self.stage_kwargs = {k: save_kwargs.pop(k) for k in _STAGE_ONLY if k in save_kwargs}
         self.save_kwargs = save_kwargs
         self.save_id = uuid.uuid4().hex

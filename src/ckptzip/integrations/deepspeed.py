@@ -238,16 +238,18 @@ def _check_client_state_first(engine: Any, ce: CkptzipCheckpointEngine) -> None:
     was refused there alone: the other ranks wrote their optimizer files and waited at DeepSpeed's
     next barrier for a rank that had raised. Every rank passes ``client_state``, so every rank
     now raises the same error before anything is written."""
-    save_checkpoint = engine.save_checkpoint
-    if getattr(save_checkpoint, "_ckptzip_checked", False):  # (enable called again)
-        save_checkpoint = save_checkpoint.__wrapped__
+    save_checkpoint = getattr(engine, "save_checkpoint", None)
+    if save_checkpoint is None:  # (not a DeepSpeedEngine: nothing to check)
+        return
+    if getattr(save_checkpoint, "_ckptzip_checked", None) is save_checkpoint:  # (enable called again:
+        save_checkpoint = save_checkpoint.__wrapped__  # our own wrapper, not another's that copied it)
 
     @functools.wraps(save_checkpoint)
     def checked(save_dir: Any, tag: Any = None, client_state: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if client_state:
+        if client_state and not ce.allow_pickle:
             ce._packed(client_state, "client_state")
         return save_checkpoint(save_dir, tag, {} if client_state is None else client_state, *args, **kwargs)
-    checked._ckptzip_checked = True  # type: ignore[attr-defined]
+    checked._ckptzip_checked = checked  # type: ignore[attr-defined]
     engine.save_checkpoint = checked
 
 

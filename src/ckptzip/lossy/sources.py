@@ -58,17 +58,24 @@ def _is_tensor_dict(d: Any) -> bool:
     return isinstance(d, Mapping) and any(isinstance(v, torch.Tensor) for v in _flat(d).values())
 
 
+_SCALARS = (int, float, str, bool, type(None), bytes)
+
+
 def _holds_tensors(v: Any, depth: int = 0) -> bool:
-    """Whether a tensor lies anywhere in ``v`` (dicts, lists and tuples; 64 levels deep at most)."""
+    """Whether a tensor lies anywhere in ``v`` (dicts, lists and tuples; 64 levels deep at most;
+    plain scalars skipped without a call: a sampler's list of millions of ints is quick)."""
     if isinstance(v, torch.Tensor):
         return True
     if depth >= 64:
         return False
-    if isinstance(v, Mapping):
-        return any(_holds_tensors(x, depth + 1) for x in v.values())
-    if isinstance(v, (list, tuple)):
-        return any(_holds_tensors(x, depth + 1) for x in v)
-    return False
+    items = v.values() if isinstance(v, Mapping) else v if isinstance(v, (list, tuple)) else ()
+    return any(_holds_tensors(x, depth + 1) for x in items if type(x) not in _SCALARS)
+
+
+def _root_key(obj: Mapping, key: str) -> str:
+    """The top-level key that holds ``key``: itself where it is one (a name with dots, such as
+    "model.ema"), else the first part of the dotted path."""
+    return key if key in {str(k) for k in obj} else key.split(".")[0]
 
 
 def _flat(d: Mapping, prefix: str = "") -> dict[str, Any]:
@@ -133,7 +140,7 @@ def find_weights(obj: Any, model_key: str | None = None) -> tuple[dict[str, torc
             raise NoFloatWeightsError(f"model_key {model_key!r} holds no tensors; top-level keys: {top_keys}")
         weights, notes["model_key"] = _flat(node), model_key
         for k, v in obj.items():
-            if str(k) != model_key.split(".")[0] and _is_optimizer(k, v):
+            if str(k) != _root_key(obj, model_key) and _is_optimizer(k, v):
                 notes["dropped"][str(k)] = "optimizer state"
     else:
         cands = {str(k): v for k, v in obj.items() if _is_tensor_dict(v)}
@@ -166,7 +173,7 @@ def find_weights(obj: Any, model_key: str | None = None) -> tuple[dict[str, torc
                 notes["dropped"][k] = f"not the model weights (pass model_key={k!r} to export it)"
     # every other top-level entry that holds tensors is dropped too, lists included (Lightning's
     # optimizer_states, an RNG state tensor): the report names each one
-    root = notes["model_key"].split(".")[0] if notes["model_key"] is not None else None
+    root = _root_key(obj, notes["model_key"]) if notes["model_key"] is not None else None
     for k, v in obj.items():
         k = str(k)
         if k in notes["dropped"] or k == root or (root is None and isinstance(v, torch.Tensor)):
