@@ -173,8 +173,8 @@ def test_client_state_refused_on_every_rank(tmp_path):
     rank before DeepSpeed writes or waits at a barrier (it left rank 1 waiting for rank 0)."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_refuse_on_every_rank, args=(r, 2, port, str(tmp_path)))
-             for port in [_free_port()] for r in range(2)]
+    port = _free_port()
+    procs = [ctx.Process(target=_refuse_on_every_rank, args=(r, 2, port, str(tmp_path))) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:

@@ -979,7 +979,8 @@ def main(argv: list[str] | None = None) -> int:
         from .errors import ResourceLimitError
         if isinstance(e, ResourceLimitError):
             hint += " (command line: --max-bytes)"
-        if isinstance(e, CorruptFileError) and str(e).startswith("not a ckptzip file"):
+        from .format import NOT_CKZ
+        if isinstance(e, CorruptFileError) and str(e) == NOT_CKZ:
             hint += " (`ckptzip compress` converts a torch.save or safetensors file)"
         error_line(f"{_named(e)}{hint}")
         return 1

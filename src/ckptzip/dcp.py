@@ -632,10 +632,11 @@ class Writer(_PathId, StorageWriter):
         self.process_group = process_group  # the group DCP numbers rank files by (staging's base file)
         self.codec = codec
         self.portable = portable
-        unknown = sorted(set(save_kwargs) - _writer_options())
+        known = _writer_options()
+        unknown = sorted(set(save_kwargs) - known)
         if unknown:  # (else a typo surfaced only inside dcp.save, wrapped in DCP's CheckpointException)
             raise TypeError(f"ckptzip.dcp.Writer() got unexpected keyword argument(s) {unknown}; it takes "
-                            f"{sorted(_writer_options())} besides codec, portable, base and process_group"
+                            f"{sorted(known)} besides codec, portable, base and process_group"
                             + (" (metadata is the Writer's own: each rank file records its rank)"
                                if "metadata" in unknown else ""))
         self.stage_kwargs = {k: save_kwargs.pop(k) for k in _STAGE_ONLY if k in save_kwargs}

@@ -67,14 +67,18 @@ def pack_footer(manifest_offset: int, manifest: bytes) -> bytes:
     return FOOTER.pack(manifest_offset, len(manifest), checksum(manifest), FOOTER_MAGIC)
 
 
+#: the CorruptFileError message of a file that does not start with the magic (the CLI adds a hint to it)
+NOT_CKZ = "not a ckptzip file (bad magic)"
+
+
 def check_header(raw: bytes) -> None:
     if len(raw) < HEADER_SIZE:
         if raw[:len(MAGIC)] != MAGIC[:len(raw)]:  # (a short file of something else is no truncated .ckz)
-            raise CorruptFileError("not a ckptzip file (bad magic)")
+            raise CorruptFileError(NOT_CKZ)
         raise TruncatedFileError("file is shorter than the 16-byte header")
     magic, major, minor, _flags = HEADER.unpack(raw[:HEADER_SIZE])
     if magic != MAGIC:
-        raise CorruptFileError("not a ckptzip file (bad magic)")
+        raise CorruptFileError(NOT_CKZ)
     if major != VERSION[0]:
         raise UnsupportedVersionError(f"format version {major}.{minor}; this reader reads {VERSION[0]}.x")
 

@@ -139,8 +139,9 @@ def find_weights(obj: Any, model_key: str | None = None) -> tuple[dict[str, torc
         if not _is_tensor_dict(node):
             raise NoFloatWeightsError(f"model_key {model_key!r} holds no tensors; top-level keys: {top_keys}")
         weights, notes["model_key"] = _flat(node), model_key
+        root = _root_key(obj, model_key)
         for k, v in obj.items():
-            if str(k) != _root_key(obj, model_key) and _is_optimizer(k, v):
+            if str(k) != root and _is_optimizer(k, v):
                 notes["dropped"][str(k)] = "optimizer state"
     else:
         cands = {str(k): v for k, v in obj.items() if _is_tensor_dict(v)}
