@@ -119,6 +119,15 @@ def write_parts(path, data: bytes, doc, rows):
 
 
 @pytest.fixture
+def no_pack(monkeypatch):
+    """Saves that store every storage on its own (no packs, format 1.5): for tests of what
+    happens to a small storage itself (its transform, chunks, references), which packing would
+    otherwise take over."""
+    from ckptzip import pipeline
+    monkeypatch.setattr(pipeline, "PACK_MAX", 0)
+
+
+@pytest.fixture
 def small_state():
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))

@@ -287,16 +287,17 @@ def deep_seeds(tmp_path_factory):
         opt.zero_grad()
         m(torch.randn(8, 256, generator=g)).pow(2).sum().backward()
         opt.step()
-    w = torch.randn(4096, generator=g) * 0.02
+    w = torch.randn(40_000, generator=g) * 0.02  # (its bf16 copy over the packing size: derived)
     ckptzip.save({"model": m.state_dict(), "optimizer": opt.state_dict(), "w": w, "w_bf16": w.bfloat16(),
                   "np": np.arange(12, dtype=np.float32).reshape(3, 4), "meta": {"lr": 0.1, "b": b"\x00", "t": (1, 2)}},
                  d / "state.ckz", device="cpu", chunk_size=8192)
-    ckptzip.save({"a": w, "b": torch.randn(3000, generator=g)}, d / "base.ckz", device="cpu")
-    ckptzip.save({"a": w + 1e-6 * torch.randn(4096, generator=g), "b": torch.randn(3000, generator=g)},
+    ckptzip.save({"a": w, "b": torch.randn(30_000, generator=g)}, d / "base.ckz", device="cpu")
+    ckptzip.save({"a": w + 1e-6 * torch.randn(40_000, generator=g), "b": torch.randn(30_000, generator=g)},
                  d / "incr.ckz", device="cpu", base=d / "base.ckz")
     ids = {t.get("id") for f in ("state.ckz", "incr.ckz") for s in read_parts(d / f)[1]["storages"]
            for t in s.get("transforms", [])}
     assert {"byteplane", "derived", "expref", "expgrid"} <= ids and read_parts(d / "incr.ckz")[1]["bases"]
+    assert any("in" in s for s in read_parts(d / "state.ckz")[1]["storages"])  # (packed storages, 1.5)
     return d
 
 
@@ -327,7 +328,7 @@ def test_fuzz_any_manifest_place(deep_seeds, which, where, edit, value):
     elif edit == "delete":
         del node[key]
     elif isinstance(node, dict):  # a field name the reader knows, at a place it was not written
-        node[("ref", "rows", "width", "members", "offset", "s", "dtype", "storages")[int(where * 8)]] = value
+        node[("ref", "rows", "width", "members", "offset", "s", "dtype", "storages", "in")[int(where * 9)]] = value
     q = deep_seeds / "fuzzed.ckz"
     write_parts(q, data, doc, rows)
     for step in (lambda r: [r.get_tensor(k) for k in r.keys()[:4]], lambda r: r.load(), lambda r: r.verify()):

@@ -372,6 +372,7 @@ def test_cpu_groups_read_raw_chunks_into_place(tmp_path, monkeypatch, split, fus
             ckptzip.load(q)
 
 
+@pytest.mark.usefixtures("no_pack")
 @pytest.mark.parametrize("small,parallel", [(64 << 10, False), (64 << 10, True), (-1, False)])
 def test_small_byteplane_batches_load_bit_exact(tmp_path, monkeypatch, small, parallel):
     """Many small float storages of every byteplane width (a model's norms, biases and
@@ -1282,6 +1283,7 @@ def test_pmap_balanced_first_runs_on_the_caller_and_its_error_waits_for_the_item
         ccpu.pmap_balanced(fn, [3.0, 2.0, 1.0], 0.0, first)
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_in_memory_load_builds_the_tree_while_the_pool_decodes(tmp_path, monkeypatch):
     """From memory, the caller's work (``idle``: the object tree) runs on the calling thread
     inside the first group's decode while the pool's threads take its fused pieces; an error
@@ -1313,7 +1315,7 @@ def test_in_memory_load_builds_the_tree_while_the_pool_decodes(tmp_path, monkeyp
     outs = {i: j.out for i, j in jobs.items()}
     for o in outs.values():
         o.zero_()
-    batch, breaks = r._plan_fill(outs, jobs)
+    batch, breaks, _copies = r._plan_fill(outs, jobs)
     big = r._storage_index(r._node("big"))
 
     def idle():
@@ -1603,6 +1605,7 @@ def test_fused_plans_whole_batch_costs_are_the_piece_costs(tmp_path, monkeypatch
     assert seen
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_small_cpu_float_storages_skip_the_byteplane_transform():
     """CPU saves store float storages under CPU_MIN_TRANSFORMED bytes (biases, norms, Adam's step
     counters) as one zstd frame of whole words, not one frame per byte plane; larger ones keep
@@ -1626,6 +1629,7 @@ def test_small_cpu_float_storages_skip_the_byteplane_transform():
         assert all(torch.equal(got[k].reshape(-1).view(torch.uint8), obj[k].reshape(-1).view(torch.uint8)) for k in obj)
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_small_storages_without_planes_keep_whole_words_per_chunk():
     """The plan of a small storage without byte planes rounds an odd ``chunk_size`` down to whole
     words, so a bf16 copy of a float32 storage is still stored as ``derived`` (its words may not

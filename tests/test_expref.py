@@ -59,6 +59,7 @@ def test_dcp_style_keys_pair():
     assert list(found) == [0] and found[0].storage == 1
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_round_trip_minor_version_and_partial_reads(tmp_path):
     st_ = adam_state()
     p = tmp_path / "a.ckz"
@@ -195,6 +196,7 @@ def _expref_file(tmp_path):
     (lambda s, i: s[i]["transforms"][0].update(extra=1), "unknown options", ckptzip.UnknownCodecError),
     (lambda s, i: s[i]["transforms"].reverse(), "only be the first|starts with", ckptzip.CorruptFileError),
 ])
+@pytest.mark.usefixtures("no_pack")
 def test_validation_of_expref(tmp_path, edit, err, exc):
     p, data, rows, i = _expref_file(tmp_path)
     _, doc, _ = read_parts(p)
@@ -245,6 +247,7 @@ def grid_state(seed=0, rows=256, cols=384, layers=3):
     return st_
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_expgrid_used_for_v_and_round_trips(tmp_path):
     st_ = grid_state()
     p = tmp_path / "g.ckz"
@@ -374,6 +377,7 @@ def test_expgrid_second_in_chain_refused(tmp_path):
         ckptzip.load(q)
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_long_reference_chain_refused_quickly(tmp_path):
     """A chain of in-file references (same-size expref storages can chain without growing) is
     refused at open in linear time, with a named error."""
@@ -420,6 +424,7 @@ def test_word_transforms_on_unaligned_chunks_and_slices(tmp_path, wire):
     assert torch.equal(back["w"], st_["w"]) and torch.equal(back["a"], st_["a"])
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_noncanonical_base64_refused(tmp_path):
     p = tmp_path / "g.ckz"
     ckptzip.save(grid_state(rows=33, cols=67, layers=1), p)
@@ -500,6 +505,7 @@ def test_pipeline_with_the_torch_code_paths(tmp_path, monkeypatch):
     assert open(a, "rb").read() == open(b, "rb").read()
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_level_break_survives_an_empty_first_storage(tmp_path, monkeypatch):
     """A file whose reference level starts with an empty storage (valid, though ckptzip never
     writes one): the next storage of that level still starts a new decode group, so a CPU group

@@ -23,7 +23,7 @@ def test_fixtures_present():
             "v12_expgrid_cpu.ckz", "v12_expgrid_ans_gpu.ckz", "v12_portable_gpu.ckz",
             "v13_hidelta_cpu.ckz", "v13_rot16_cpu.ckz", "v13_rot16_incr_cpu.ckz", "v13_hidelta_zstd_gpu.ckz",
             "v13_rot16_zstd_gpu.ckz", "v13_rot16_incr_zstd_gpu.ckz", "v14_expgrid_incr_cpu.ckz",
-            "v14_expgrid_zstd_gpu.ckz", "v14_expgrid_incr_zstd_gpu.ckz"} <= names
+            "v14_expgrid_zstd_gpu.ckz", "v14_expgrid_incr_zstd_gpu.ckz", "v15_packed_cpu.ckz"} <= names
 
 
 def test_expected_digests_match_generator():
@@ -161,3 +161,21 @@ def test_v12_files_use_expref(name):
         assert r.manifest.doc["version"] == [1, 2]
         ids = [t["id"] for s in r.storages for t in s.get("transforms", [])]
         assert ids.count("expref") == 1
+
+
+@pytest.mark.parametrize("name", ["v15_packed_cpu.ckz", "v15_packed_zstd_gpu.ckz"])
+def test_v15_files_pack_small_storages(name):
+    """Format 1.5: the golden object's small storages packed (written on a CPU, and on a GPU in
+    zstd); each tensor loads into a storage of its own, the view sharing w's."""
+    path = os.path.join(HERE, name)
+    if not os.path.exists(path):
+        pytest.skip(f"{name} is written on a GPU machine (make_fixtures.py --v15 --gpu)")
+    assert open(path, "rb").read(12)[8:12] == b"\x01\x00\x05\x00"
+    with ckptzip.open(path) as r:
+        assert sum("in" in s for s in r.storages) >= 6
+    back = ckptzip.load(path, map_location="cpu")
+    assert_same(back, golden_object())
+    m = back["model"]
+    assert back["view"].untyped_storage().data_ptr() == m["w"].untyped_storage().data_ptr()
+    assert m["w"].untyped_storage().nbytes() == m["w"].numel() * 4
+    assert len({t.untyped_storage().data_ptr() for t in (m["w"], m["b"], m["emb"], back["optimizer"]["state"][0]["step"])}) == 4

@@ -275,6 +275,7 @@ def test_strict_json_matches_a_pairs_hook_on_random_documents():
     assert min(seen.values()) > 100
 
 
+@pytest.mark.usefixtures("no_pack")
 @pytest.mark.parametrize("field", ["width", "block"])
 def test_each_storage_chain_is_checked_even_where_it_equals_an_earlier_one(tmp_path, field):
     """Storages share parsed chains when their configs are equal; 4.0 equals (and hashes as) 4 in
@@ -295,6 +296,7 @@ def test_each_storage_chain_is_checked_even_where_it_equals_an_earlier_one(tmp_p
         ckptzip.load(q)
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_a_reference_transform_without_its_ref_is_parsed_on_its_own(tmp_path):
     """Chains with a reference transform share a parse keyed without their "ref"; a chain whose
     first transform has no "ref" at all must not take that key (it was given the earlier
@@ -668,6 +670,7 @@ def test_save_to_file_object(tmp_path, small):
     assert_same(obj, ckptzip.load(bio))
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_storage_row_ranges_checked_as_a_whole(tmp_path):
     """The chunk-table checks made over all storages at once: two storages sharing a chunk row,
     in either file order and with empty ranges around, and chunks that do not add up to a

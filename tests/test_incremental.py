@@ -190,6 +190,7 @@ def test_batched_mismatch_counts_equal_per_pair_counts(monkeypatch, slice_):
     assert got == want and got[0] == 0 and got[3] == 9
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_reused_derived_pairs_and_plans_stay_exact(tmp_path):
     """Saves that reuse plans (async_save, the manager) keep the derived pairs found for the same
     layout while the sampled elements still match; a copy that drifted, even everywhere but on
@@ -245,6 +246,7 @@ def test_reused_pairs_are_probed_in_turn():
     assert len(found()) == n - 1
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_derived_round_trip_with_exceptions(tmp_path):
     st = mixed_state()
     bf = st["model_bf16"]["l1.w"]
@@ -399,6 +401,7 @@ def test_chain_of_three_and_moved_bases(tmp_path):
         ckptzip.load(other / "s3.ckz", base_path=moved / "s2.ckz")
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_chain_loads_in_one_pipelined_pass(tmp_path, monkeypatch):
     """A chain of three incremental files loads in one decode pass (the bases' storages are read
     by jobs of the same pipeline, from their own files, ahead of the deltas), bit-exact, and
@@ -418,6 +421,7 @@ def test_chain_loads_in_one_pipelined_pass(tmp_path, monkeypatch):
     assert seen and max(d for d, _t in seen) <= seen[0][1]
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_base_missing_altered_replaced(tmp_path):
     s1 = mixed_state()
     s2 = nudge(s1, 5)
@@ -457,6 +461,7 @@ def test_base_missing_altered_replaced(tmp_path):
         ckptzip.load(b)
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_base_is_not_a_checkpoint(tmp_path):
     s1 = mixed_state()
     a, b = tmp_path / "a.ckz", tmp_path / "b.ckz"
@@ -500,6 +505,7 @@ def incr(tmp_path):
     (lambda d: d.update(bases=[d["bases"][0], d["bases"][0]]), "at most"),
     (lambda d: d.pop("bases"), "base 0, which does not exist"),
 ])
+@pytest.mark.usefixtures("no_pack")
 def test_validation_of_bases(incr, tmp_path, edit, err):
     data, doc, rows = read_parts(incr)
     edit(doc)
@@ -552,6 +558,7 @@ def _derived_file(tmp_path):
     return p
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_validation_of_derived_refs(tmp_path):
     p = _derived_file(tmp_path)
     data, doc, rows = read_parts(p)
@@ -588,6 +595,7 @@ def test_validation_refuses_derived_cycle(tmp_path):
         ckptzip.load(q)
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_unknown_reference_options_refused(tmp_path):
     p = _derived_file(tmp_path)
     data, doc, rows = read_parts(p)
@@ -867,6 +875,7 @@ def test_record_that_contradicts_its_base_is_refused(edit, tmp_path, monkeypatch
         ckptzip.load(q)
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_unlocatable_base_storages_are_stored_standalone(tmp_path, monkeypatch):
     """Base storages coded ``expgrid`` (Adam v) are located by the file's record (format 1.4),
     so v is stored against its base; a storage whose base storage refers to another one

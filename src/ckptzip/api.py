@@ -280,6 +280,10 @@ class CheckpointReader:
         return self._node(key) is not None
 
     def stored_bytes(self, index: int) -> int:
+        """Stored bytes of storage ``index``'s own chunks (0 for a packed storage: format 1.5,
+        its bytes are its pack's)."""
+        if "in" in self.storages[index]:
+            return 0
         first, count = self.storages[index]["rows"]
         return int(self.manifest.rows["stored"][first:first + count].astype(np.int64).sum())
 
@@ -291,6 +295,10 @@ class CheckpointReader:
         return s
 
     def _job(self, i: int, t: str = "tensor") -> Job:
+        return self._job_into(i, self._out(i, t))
+
+    def _out(self, i: int, t: str = "tensor") -> torch.Tensor:
+        """A new output for storage ``i`` (reached by a node of kind ``t``), where it goes."""
         s = self.manifest.doc["storages"][i]
         ml = self.map_location if t == "tensor" else "cpu"
         if _maps_storages(ml):
@@ -303,7 +311,7 @@ class CheckpointReader:
                 dev = _resolve_device(saved, ml)
                 if key is not None:
                     self._devices[key] = dev
-        return self._job_into(i, empty_bytes(s["nbytes"], dev))
+        return empty_bytes(s["nbytes"], dev)
 
     def _job_into(self, i: int, out: torch.Tensor) -> Job:
         """A job that decodes storage ``i`` into ``out``; a reference transform comes back unbound
@@ -359,24 +367,42 @@ class CheckpointReader:
         the base file straight into the destination), then its residual is applied in place.
         Everything, base storages included, is decoded in one pipelined pass.
         ``made``: jobs already made for these outputs by :meth:`_job_into` (used, not remade)."""
-        batch, breaks = self._plan_fill(outs, made)
+        batch, breaks, copies = self._plan_fill(outs, made)
         gpu = any(j.codec.device == "cuda" for j in batch)
         decode_jobs(self._fd, batch, gpu_decode_window() if gpu else DEFAULT_WINDOW, prog, breaks, idle)
+        if copies:  # (format 1.5: each packed storage from its pack, once the packs are decoded)
+            dsts, srcs = zip(*copies)
+            if len({t.device for t in dsts + srcs}) == 1:
+                torch._foreach_copy_(list(dsts), list(srcs))
+            else:
+                for d, src in copies:
+                    d.copy_(src)
 
     def _plan_fill(self, outs: dict[int, torch.Tensor], made: dict[int, Job] | None = None
-                   ) -> tuple[list[Job], list[int]]:
-        """The jobs of :meth:`_fill`, in decode order, and the job indices where a new decode
-        group must start: the base file's jobs first (their ``fd`` the base's), then this file's
-        references level by level."""
+                   ) -> tuple[list[Job], list[int], list]:
+        """The jobs of :meth:`_fill`, in decode order, the job indices where a new decode
+        group must start (the base file's jobs first, their ``fd`` the base's, then this file's
+        references level by level), and the copies ``(output, slice of its pack)`` that fill
+        packed storages (format 1.5) once the jobs are done."""
         need = dict(outs)
-        extra = 0  # bytes of temporaries: referred-to storages nobody asked for
+        extra = 0  # bytes of temporaries: referred-to storages and packs nobody asked for
         storages = self.storages
         asked = sum(storages[j]["nbytes"] for j in outs if 0 <= j < len(storages))
         jobs: dict[int, Job] = {}
+        packed: dict[int, tuple[int, int]] = {}
         todo = list(need)
         while todo:
             i = todo.pop()
-            if i in jobs:
+            if i in jobs or i in packed:
+                continue
+            at = storages[i].get("in")
+            if at is not None:  # (validated: its pack is a storage with chunks, the slice inside it)
+                p = packed[i] = at[0]
+                if p not in need:
+                    extra += storages[p]["nbytes"]
+                    self._check_budget(asked + extra, "the requested storages with their packs")
+                    need[p] = empty_bytes(storages[p]["nbytes"], need[i].device)
+                todo.append(p)
                 continue
             job = made.get(i) if made else None
             if job is None or job.out is not need[i] or job.ref is not None and job.ref.ref is not None:
@@ -410,7 +436,8 @@ class CheckpointReader:
                     raise BaseCheckpointError(
                         f"base checkpoint {self.bases[0]['file']!r} of {self.path} has no storage {bj} "
                         f"of {j.out.numel()} bytes")
-                shared = shared or (bj in first)
+                # (a packed base storage is copied from its pack after decoding: also before)
+                shared = shared or (bj in first) or "in" in base.storages[bj]
                 first.setdefault(bj, j.out)
             if shared:  # two storages against one base storage: decoded once, before, and copied
                 base._fill(first)
@@ -418,7 +445,7 @@ class CheckpointReader:
                     if first[j.ref.storage] is not j.out:
                         j.out.copy_(first[j.ref.storage])
             else:
-                pre, pre_breaks = base._plan_fill(first)
+                pre, pre_breaks, _none = base._plan_fill(first)  # (no packed storage: see shared)
                 partial = set() if self._full_planes else {id(j.out) for j in xors if isinstance(j.ref, HiDelta)}
                 # not where another job reads that storage's words: a storage of the base that
                 # refers to it (derived), or the base's own reference transform undone in place
@@ -439,7 +466,11 @@ class CheckpointReader:
         breaks = [k for k in range(1, len(order)) if level[order[k]] != level[order[k - 1]]]
         if pre:
             breaks = pre_breaks + [len(pre)] + [len(pre) + k for k in breaks]
-        return pre + batch, breaks
+        copies = []
+        for i, p in packed.items():
+            start = storages[i]["in"][1]
+            copies.append((need[i], need[p][start:start + storages[i]["nbytes"]]))
+        return pre + batch, breaks, copies
 
     def _located_base_jobs(self, xors: list[Job]) -> list[Job] | None:
         """The base's jobs for ``xors`` (storages against the base) planned from this file's
@@ -480,7 +511,7 @@ class CheckpointReader:
         for j, first, count, c in rec.get("storages", []):
             s = base.storages[j] if j < len(base.storages) else None
             ch = rec["chains"][c]
-            if (s is None or s["rows"] != [first, count] or s.get("transforms", []) != ch["transforms"]
+            if (s is None or s.get("rows") != [first, count] or s.get("transforms", []) != ch["transforms"]
                     or s["codec"] != ch["codec"]):
                 raise CorruptFileError(f"{self.path}: its base record locates base storage {j} other than "
                                        f"{self.bases[0]['file']!r} stores it")
@@ -504,10 +535,11 @@ class CheckpointReader:
             raise ValueError(f"map_location returned {r.numel()} bytes for a storage of {out.numel()}")
         return r
 
-    def _decode(self, jobs: dict[int, Job], total: int | None = None, idle: Callable[[], None] | None = None) -> None:
+    def _decode(self, outs: dict[int, torch.Tensor], jobs: dict[int, Job], total: int | None = None,
+                idle: Callable[[], None] | None = None) -> None:
+        """Decode storages into ``outs`` (``jobs``: made for them already; none for packed ones)."""
         total = self._total_bytes() if total is None else total
         prog = (lambda n: self.progress(n, total)) if self.progress else None
-        outs = {i: j.out for i, j in jobs.items()}
         self._fill(outs, prog, jobs, idle)
         self._cache.update(outs)
 
@@ -523,7 +555,8 @@ class CheckpointReader:
         if i not in self._cache:
             self._check_budget(self.storages[i]["nbytes"], f"storage {i}")
             t = node.get("t", "tensor")
-            self._decode({i: self._job(i, t)})
+            out = self._out(i, t)
+            self._decode({i: out}, {} if "in" in self.storages[i] else {i: self._job_into(i, out)})
             self._place({i: t})
         return self._cache[i]
 
@@ -539,9 +572,9 @@ class CheckpointReader:
         storages = self.storages
         kinds = {i: t for i, t in sorted(kinds.items()) if 0 <= i < len(storages)}
         self._check_budget(sum(storages[i]["nbytes"] for i in kinds), "the checkpoint")
-        jobs = {i: self._job(i, t) for i, t in kinds.items()}
-        outs = {i: j.out for i, j in jobs.items()}
-        self._decode(jobs, idle=(lambda: early(outs)) if early is not None else None)
+        outs = {i: self._out(i, t) for i, t in kinds.items()}
+        jobs = {i: self._job_into(i, o) for i, o in outs.items() if "in" not in storages[i]}
+        self._decode(outs, jobs, idle=(lambda: early(outs)) if early is not None else None)
         self._place(kinds)
 
     def _total_bytes(self) -> int:
@@ -587,7 +620,8 @@ class CheckpointReader:
             done.append(key)
         if outs:
             self._check_budget(sum(self.storages[i]["nbytes"] for i in outs), "the requested tensors")
-            self._fill(outs, None, {i: self._job_into(i, out) for i, out in outs.items()})
+            self._fill(outs, None, {i: self._job_into(i, out) for i, out in outs.items()
+                                    if "in" not in self.storages[i]})
         return done
 
     def load(self) -> Any:
@@ -629,10 +663,11 @@ class CheckpointReader:
         self._full_planes = True
         try:
             for i in range(len(self.storages)):
-                batch[i] = self._job(i, "ndarray")
-                size += self.storages[i]["nbytes"]
-                if size >= _VERIFY_BATCH or i == len(self.storages) - 1:
-                    self._decode(batch, total)
+                if "in" not in self.storages[i]:  # (a packed storage: its pack is decoded)
+                    batch[i] = self._job(i, "ndarray")
+                    size += self.storages[i]["nbytes"]
+                if batch and (size >= _VERIFY_BATCH or i == len(self.storages) - 1):
+                    self._decode({j: job.out for j, job in batch.items()}, batch, total)
                     for j in batch:
                         self._cache.pop(j, None)
                     batch, size = {}, 0

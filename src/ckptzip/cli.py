@@ -447,15 +447,20 @@ def info_rows(path: str, max_bytes: int | None = None) -> tuple[dict, list[dict]
         for t in r.tensor_info():
             key, idx = t["key"], t["storage"]
             s = r.storages[idx]
-            codec = s["codec"]["id"] + (f":{s['codec']['data_type']}" if "data_type" in s["codec"] else "")
-            tfs = "+".join(t["id"] for t in s.get("transforms", []))
+            pack = s["in"][0] if "in" in s else None  # (format 1.5: stored inside storage `pack`)
+            p = s if pack is None else r.storages[pack]
+            codec = p["codec"]["id"] + (f":{p['codec']['data_type']}" if "data_type" in p["codec"] else "")
+            tfs = "+".join(t["id"] for t in p.get("transforms", []))
             rows.append({"key": key, "dtype": t["dtype"], "shape": t["shape"],
                          "storage": idx, "raw_bytes": s["nbytes"], "stored_bytes": r.stored_bytes(idx),
                          "codec": f"{tfs}+{codec}" if tfs else codec,
                          "choice": s.get("choice", "")})
+            if pack is not None:
+                rows[-1]["packed_in"] = pack
+        packs = {s["in"][0] for s in r.storages if "in" in s}
         head = {"path": path, "file_bytes": r.file_size, "version": r.manifest.doc["version"],
                 "created_by": r.manifest.doc.get("created_by"), "metadata": r.metadata,
-                "raw_bytes": sum(s["nbytes"] for s in r.storages),
+                "raw_bytes": sum(s["nbytes"] for k, s in enumerate(r.storages) if k not in packs),
                 "storages": len(r.storages), "chunks": int(r.manifest.doc["n_chunks"]),
                 "base": r.base}
     return head, rows
@@ -485,10 +490,13 @@ def cmd_info(a) -> int:
     for r in rows:
         shared = r["storage"] in seen
         seen.add(r["storage"])
+        packed = "packed_in" in r
         t.add_row(text(r["key"] or "(the whole object)"), text(r["dtype"]), text(_shape(r["shape"])),
-                  text(f"{r['raw_bytes']:,}"), text("shared" if shared else f"{r['stored_bytes']:,}"),
-                  text("" if shared else f"{r['stored_bytes'] / max(1, r['raw_bytes']):.3f}"),
-                  text(r["codec"] + (f" ({r['choice']})" if r["choice"] else "")))
+                  text(f"{r['raw_bytes']:,}"),
+                  text("shared" if shared else "packed" if packed else f"{r['stored_bytes']:,}"),
+                  text("" if shared or packed else f"{r['stored_bytes'] / max(1, r['raw_bytes']):.3f}"),
+                  text((f"in storage {r['packed_in']}: " if packed else "") + r["codec"]
+                       + (f" ({r['choice']})" if r["choice"] else "")))
     console.print(t)
     for k, val in head["metadata"].items():
         say(line(("metadata ", "dim"), f"{k} = {val}"))

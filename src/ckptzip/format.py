@@ -22,9 +22,9 @@ FOOTER_MAGIC = b"CKZ1END\x00"
 #: the newest version this code writes (and reads: every 1.x); a file is written with the lowest
 #: minor its features need: 1.0 without references, 1.1 with ``xor``/``delta``/``derived``
 #: transforms or ``bases``, 1.2 with ``expref``/``expgrid``, 1.3 with ``hidelta``, ``byteplane``
-#: ``rotate`` or located base storages, 1.4 with located base storages coded ``expgrid``, so that
-#: older readers load what they can
-VERSION = (1, 4)
+#: ``rotate`` or located base storages, 1.4 with located base storages coded ``expgrid``, 1.5 with
+#: packed storages (``in``), so that older readers load what they can
+VERSION = (1, 5)
 HEADER = struct.Struct("<8sHHI")          # magic, major, minor, flags
 FOOTER = struct.Struct("<QQQ8s")          # manifest offset, manifest length, xxh3-64, magic
 HEADER_SIZE, FOOTER_SIZE = HEADER.size, FOOTER.size   # 16, 32
@@ -143,6 +143,13 @@ def parse_manifest(raw: bytes, digest: int, data_end: int) -> Manifest:
         nb, rr = s.get("nbytes"), s.get("rows")
         if type(nb) is not int or not 0 <= nb <= MAX_STORAGE_BYTES:
             _need(False, f"storage {i} nbytes")
+        if "in" in s:  # (format 1.5: a slice of a pack, no chunks of its own; validate.py checks it)
+            if "rows" in s or "codec" in s or "transforms" in s:
+                _need(False, f"storage {i}: a packed storage ('in') has no rows, codec or transforms")
+            firsts.append(0)
+            counts.append(0)
+            sizes.append(0)
+            continue
         if (type(rr) is not list or len(rr) != 2 or type(rr[0]) is not int or type(rr[1]) is not int
                 or rr[0] < 0 or rr[1] < 0 or rr[0] + rr[1] > n):
             _need(False, f"storage {i} rows")

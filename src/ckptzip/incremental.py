@@ -264,8 +264,9 @@ def delta_candidates(root: Any, refs: list[StorageRef], base_reader: Any, skip: 
 
 def locatable(storage: dict[str, Any]) -> bool:
     """Whether a base storage record's chain is one a file's base record can carry (one that
-    refers to no other storage: at most ``expgrid`` then ``byteplane``; see :func:`add_hints`)."""
-    return located_chain(storage.get("transforms", []))
+    refers to no other storage: at most ``expgrid`` then ``byteplane``; see :func:`add_hints`), and
+    that has chunks of its own (not a packed storage, format 1.5)."""
+    return "in" not in storage and located_chain(storage.get("transforms", []))
 
 
 def against_base(storage: dict[str, Any]) -> bool:

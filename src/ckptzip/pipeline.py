@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from . import __version__
 from .codecs.base import MAX_CHUNK
 from .codecs.gpu import release_scratch
@@ -22,7 +24,7 @@ from .engine import DEFAULT_WINDOW, Planner, encode_group_arrays, gpu_window, gr
 from .format import FOOTER_SIZE, HEADER_SIZE, pack_footer, pack_header, pack_manifest
 from .io import ChunkWriter
 from .storage import open_for_write
-from .tree import Encoder, Reused, encode_reusing, memoized, root_json, tensor_keys
+from .tree import Encoder, Reused, StorageRef, encode_reusing, memoized, root_json, tensor_keys
 
 Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
 
@@ -37,6 +39,14 @@ STREAM_DEVICES: tuple[str, ...] = ("cuda",)
 CPU_FILE_WINDOW = 8 << 20
 #: bytes of storages in a streamed save's first planning batch (see :func:`_planned_groups`)
 FIRST_BATCH = 32 << 20
+#: storages of at most this many bytes are packed (format 1.5): those of one device and element
+#: type are stored back to back as one storage, each one a slice of it (``"in"``), so that a
+#: load's and a save's work per storage (planning, chunk tables, decode jobs) is paid once per
+#: pack; each is still loaded into its own storage (see docs/format.md and docs/benchmarks.md,
+#: "Thirty-second session")
+PACK_MAX = 64 << 10
+#: a pack holds at most this many bytes (a new one is started beyond)
+PACK_BYTES = 16 << 20
 
 
 @dataclass
@@ -53,11 +63,40 @@ class SaveJob:
     reused: Reused | None = None
     #: planned while writing (``groups`` is None, ``plans`` fill in): see :func:`prepare`'s ``stream``
     streamed: Callable[[], Iterator[list]] | None = None
+    #: packed saves (format 1.5): ``refs[k]`` is storage ``wire[k]`` of the file (the packs
+    #: after the tree's storages), and ``members`` maps each packed storage of the tree to
+    #: ``(its StorageRef, pack's storage index, byte offset in the pack)``
+    wire: list | None = None
+    members: dict | None = None
+
+
+def pack_groups(refs: list[StorageRef], exclude: set) -> list[list[int]]:
+    """Which storages to pack (:data:`PACK_MAX`): per device and element type, the small
+    storages not in ``exclude`` in storage order, cut at :data:`PACK_BYTES`; packs of at least
+    two storages."""
+    by: dict = {}
+    for i, r in enumerate(refs):
+        n = r.data.numel()
+        if 0 < n <= PACK_MAX and i not in exclude:
+            by.setdefault((r.device, r.elem, r.float_width), []).append(i)
+    out = []
+    for idx in by.values():
+        cur: list[int] = []
+        size = 0
+        for i in idx:
+            n = refs[i].data.numel()
+            if cur and size + n > PACK_BYTES:
+                out.append(cur)
+                cur, size = [], 0
+            cur.append(i)
+            size += n
+        out.append(cur)
+    return [g for g in out if len(g) > 1]
 
 
 def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickle, device, portable,
              storage_gbps, window, reuse_plan: bool = False, base=None, target=None,
-             derive: bool = True, stream: bool = False) -> SaveJob:
+             derive: bool = True, stream: bool = False, pack: bool = True) -> SaveJob:
     """Plan a save. ``base`` (a local path): store storages as ``xor`` against the same storage of
     that checkpoint where it pays (``target`` is the new file's path, for the relative record);
     ``derive``: store 16-bit copies of float32 storages as ``derived`` (format 1.1) and try Adam's
@@ -67,7 +106,9 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
     at a time as :func:`write` asks for their groups, so the sampling of later storages runs
     while earlier windows are written (the writer thread) instead of before the first write.
     Only for targets :func:`write` can rewrite the header of (plain local files): the header's
-    minor version is known once every storage is planned."""
+    minor version is known once every storage is planned.
+
+    ``pack`` (not with ``base``): small storages are packed (:data:`PACK_MAX`, format 1.5)."""
     if not isinstance(chunk_size, int) or not 64 <= chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk_size must be between 64 and {MAX_CHUNK} bytes")
     if transform not in ("auto", "byteplane", None):
@@ -114,20 +155,54 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
                 alt[i] = g
             else:
                 ref_tfs[i] = g
+        wire = members = None
+        if pack and base is None:
+            # small storages are packed rather than tried against a reference (expref, derived,
+            # expgrid: a few bytes at most); a storage a larger one refers to stays whole
+            for i in [i for i in ref_tfs if storages[i].data.numel() <= PACK_MAX]:
+                del ref_tfs[i]
+                alt.pop(i, None)
+            busy = set(ref_tfs) | set(alt) | {rt.storage for rt in ref_tfs.values() if rt.local}
+            packs = pack_groups(storages, busy)
+            if packs:
+                storages, wire, members, ref_tfs, alt = _packed(storages, packs, ref_tfs, alt)
         total = sum(r.data.numel() for r in storages)
         if stream and planner.dev in STREAM_DEVICES and not reuse_plan and base is None and not alt:
             plans: list = [None] * len(storages)
             planner.hold_rot16()  # one choice for all batches
             return SaveJob(root, meta, storages, plans, None, total, None,
-                           streamed=lambda: _planned_groups(planner, storages, plans, window, ref_tfs))
+                           streamed=lambda: _planned_groups(planner, storages, plans, window, ref_tfs),
+                           wire=wire, members=members)
         plans = planner.plan_all(storages, window, reuse_plan, ref_tfs, alt, memo=memo)
         if bases is not None:  # where the base storages the chosen deltas need are (not every candidate's)
             add_hints(bases[0], base_storages, [p.ref.storage for p in plans if p.ref is not None and p.ref.against_base])
         units = [u for i, (ref, plan) in enumerate(zip(storages, plans))
                  for u in units_of(i, ref.data, plan, window)]
-        return SaveJob(root, meta, storages, plans, list(groups(units, window)), total, bases, reused)
+        return SaveJob(root, meta, storages, plans, list(groups(units, window)), total, bases, reused,
+                       wire=wire, members=members)
     finally:  # (estimates started ahead are waited for or cancelled, whatever happens)
         planner.settle()
+
+
+def _packed(refs: list[StorageRef], packs: list[list[int]], ref_tfs: dict, alt: dict) -> tuple:
+    """The storages to plan once ``packs`` are made: the unpacked ones in order, then one
+    :class:`StorageRef` per pack (its members' bytes concatenated: a copy, so the caller's
+    tensors are never written); with each one's storage index in the file (``wire``), the
+    members (see :attr:`SaveJob.members`), and ``ref_tfs``/``alt`` keyed by the new positions."""
+    n = len(refs)
+    members: dict = {}
+    made = []
+    for k, grp in enumerate(packs):
+        start = 0
+        for i in grp:
+            members[i] = (refs[i], n + k, start)
+            start += refs[i].data.numel()
+        r0 = refs[grp[0]]
+        made.append(StorageRef(torch.cat([refs[i].data for i in grp]), r0.elem, r0.device, r0.float_width))
+    keep = [i for i in range(n) if i not in members]
+    pos = {i: p for p, i in enumerate(keep)}
+    return ([refs[i] for i in keep] + made, keep + list(range(n, n + len(packs))), members,
+            {pos[i]: rt for i, rt in ref_tfs.items()}, {pos[i]: rt for i, rt in alt.items()})
 
 
 def _planned_groups(planner, refs: list, plans: list, window: int, ref_tfs: dict) -> Iterator[list]:
@@ -172,7 +247,7 @@ def _minor(prep: SaveJob) -> int:
     transforms' (1.3: byteplane rotate 16), or its base record's (1.3, 1.4: located storages)."""
     return max([p.ref.minor for p in prep.plans if p.ref is not None] + [1 if prep.bases else 0]
                + [getattr(p.transform, "minor", 0) for p in prep.plans]
-               + [_hints_minor(prep.bases[0]) if prep.bases else 0])
+               + [_hints_minor(prep.bases[0]) if prep.bases else 0] + [5 if prep.members else 0])
 
 
 def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: list | None = None) -> dict:
@@ -233,6 +308,14 @@ def write(prep: SaveJob, path, fsync: bool, progress: Progress | None, staged: l
                 if plan.choice:
                     entries[-1]["choice"] = plan.choice
                 first += count
+            if prep.wire is not None:  # (format 1.5: the file's storage order, packed storages as slices)
+                placed: list = [None] * len(prep.wire) + [None] * len(prep.members)
+                for k, e in zip(prep.wire, entries):
+                    placed[k] = e
+                for i, (ref, p, start) in prep.members.items():
+                    placed[i] = {"nbytes": ref.data.numel(), "elem": ref.elem, "device": ref.device,
+                                 "in": [p, start]}
+                entries = placed
             pos = w.pos
             doc = {"format": "ckz", "version": [1, minor], "created_by": f"ckptzip {__version__}",
                    "meta": prep.meta, "n_chunks": len(rows), "storages": entries}

@@ -134,7 +134,8 @@ def dec_to_int(s: Any) -> int:
 # -- the document -------------------------------------------------------------------------------
 def validate_document(doc: dict[str, Any], n_chunks: int, chains: list | None = None,
                       hint_chains: list | None = None) -> int:
-    """Check every field a reader uses; return the total declared bytes of all storages.
+    """Check every field a reader uses; return the total declared bytes of all storages
+    with chunks (a packed storage, format 1.5, is decoded as part of its pack).
     ``chains``: a list that receives each storage's parsed chain, ``[(transform config, parsed
     transform or None for an unknown id)]`` (storages with equal configs share one list, never
     modified), so that readers need not parse them again. ``hint_chains``: a list that receives
@@ -154,10 +155,16 @@ def validate_document(doc: dict[str, Any], n_chunks: int, chains: list | None = 
     total = 0
     seen: dict = {}  # configs already checked: storages usually share a few of them
     parsed = [] if chains is None else chains
+    packed = False
     for i, s in enumerate(storages):
         nb, chain = _storage(i, s, seen)
-        total += nb
         parsed.append(chain)
+        if "in" in s:  # (its bytes are decoded as its pack's: counted once)
+            packed = True
+        else:
+            total += nb
+    if packed:
+        _packs(storages)
     _refs(storages, n_bases, parsed)
     if "root" not in doc:
         raise _bad("root")
@@ -180,6 +187,13 @@ def _storage(i: int, s: Any, seen: dict | None = None) -> tuple[int, list]:
         raise _bad(f"storage {i} elem")
     if "choice" in s and type(s["choice"]) is not str:
         raise _bad(f"storage {i} choice")
+    if "in" in s:  # format 1.5: bytes [start, start + nbytes) of pack p (checked by _packs)
+        at = s["in"]
+        if (type(at) is not list or len(at) != 2 or type(at[0]) is not int or type(at[1]) is not int
+                or at[0] < 0 or at[1] < 0 or "rows" in s or "codec" in s or "transforms" in s):
+            raise _bad(f"storage {i}: 'in' must be [pack, start] (non-negative ints), without rows, codec "
+                       f"or transforms")
+        return nb, []
     codec = s.get("codec")
     if type(codec) is not dict or type(codec.get("id")) is not str:
         raise _bad(f"storage {i} codec")
@@ -321,6 +335,23 @@ def _base_hints(k: int, b: dict[str, Any], out: list | None = None) -> None:
         last = r[0]
 
 
+def _packs(storages: list) -> None:
+    """Format 1.5 packed storages: each ``in`` names a pack (a storage of this file that is not
+    itself packed, other than the storage, whose chain refers to no other storage) and lies
+    inside it."""
+    for i, s in enumerate(storages):
+        at = s.get("in")
+        if at is None:
+            continue
+        p, start = at
+        if p >= len(storages) or p == i or "in" in storages[p]:
+            raise _bad(f"storage {i}: packed in storage {p}, which does not exist, is itself or is packed")
+        if start + s["nbytes"] > storages[p]["nbytes"]:
+            raise _bad(f"storage {i}: bytes {start}..{start + s['nbytes']} lie outside its pack, storage {p}")
+        if not located_chain(storages[p].get("transforms", [])):
+            raise _bad(f"storage {i}: its pack, storage {p}, has a transform that refers to another storage")
+
+
 def _refs(storages: list, n_bases: int, chains: list) -> None:
     """Reference fields of ``xor``/``delta``/``derived``/``expref``: in range, sizes that match,
     and no cycle among references within the file (``derived``, ``expref``: a storage is decoded
@@ -336,8 +367,9 @@ def _refs(storages: list, n_bases: int, chains: list) -> None:
                 raise _bad(f"storage {i}: {t.wire_id} refers to base {t.base}, which does not exist")
         else:
             k = t.storage
-            if k >= len(storages) or k == i:
-                raise _bad(f"storage {i}: {t.wire_id} refers to storage {k}, which does not exist or is itself")
+            if k >= len(storages) or k == i or "in" in storages[k]:
+                raise _bad(f"storage {i}: {t.wire_id} refers to storage {k}, which does not exist, is itself "
+                           f"or is packed")
             if storages[k]["nbytes"] != t.ref_nbytes(s["nbytes"]):
                 raise _bad(f"storage {i}: {t.wire_id} reference {k} has {storages[k]['nbytes']} bytes, "
                            f"expected {t.ref_nbytes(s['nbytes'])}")

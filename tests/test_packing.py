@@ -1,0 +1,264 @@
+"""Packed storages (format 1.5): small storages of one device and element type are stored back to
+back as one storage and loaded each into a storage of its own."""
+import io
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ckptzip
+from ckptzip import pipeline
+from conftest import assert_same, cuda_ok, read_parts, same_bits, write_parts
+
+
+def _small_state():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, generator=g)
+    return {
+        "w": torch.randn(300, 200, generator=g),  # (240 KB: stays on its own)
+        "norm": torch.nn.Parameter(torch.randn(256, generator=g)),
+        "bias": torch.randn(256, generator=g).requires_grad_(),
+        "half": torch.randn(100, generator=g).half(),
+        "bf": torch.randn(77, generator=g).bfloat16(),
+        "bf2": torch.randn(33, generator=g).bfloat16(),
+        "step": torch.tensor(3.0),
+        "steps": [torch.tensor(float(k)) for k in range(20)],
+        "ints": torch.arange(10),
+        "base": base, "view": base[8:40:2], "t": base.view(8, 8).t(),  # one storage, three tensors
+        "empty": torch.zeros(0),
+        "np": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "np2": np.ones(5, dtype=np.float32),
+    }
+
+
+def _storage_ids(obj):
+    return [t.untyped_storage().data_ptr() for t in _tensors(obj)]
+
+
+def _tensors(o):
+    if isinstance(o, torch.Tensor):
+        yield o
+    elif isinstance(o, dict):
+        for v in o.values():
+            yield from _tensors(v)
+    elif isinstance(o, (list, tuple)):
+        for v in o:
+            yield from _tensors(v)
+
+
+def test_packed_round_trip_gives_each_storage_its_own(tmp_path):
+    """Small storages are packed (format 1.5), and load bit-exact, each into its own storage of
+    its own size: tensors that shared a storage share one again, others never do."""
+    state = _small_state()
+    p = tmp_path / "a.ckz"
+    ckptzip.save(state, p)
+    _data, doc, _rows = read_parts(p)
+    assert doc["version"] == [1, 5] and open(p, "rb").read()[10] == 5
+    packed = [s for s in doc["storages"] if "in" in s]
+    assert len(packed) >= 20 and all("rows" not in s and "codec" not in s for s in packed)
+    # (numpy arrays pack too; a lone storage of its kind, float16 or int64 here, stays on its own)
+    assert {s["elem"] for s in packed} == {"float32", "bfloat16", "<f4"}
+    big = [s for s in doc["storages"] if s["nbytes"] == 240_000]
+    assert len(big) == 1 and "rows" in big[0]  # (over PACK_MAX: stored on its own)
+    out = ckptzip.load(p)
+    assert_same(out, state)
+    assert isinstance(out["norm"], torch.nn.Parameter) and out["bias"].requires_grad
+    ts, orig = list(_tensors(out)), list(_tensors(state))
+    for a, b in zip(ts, orig):
+        assert a.untyped_storage().nbytes() == b.untyped_storage().nbytes()
+    ids = _storage_ids(out)
+    same = {k for k in ("base", "view", "t")}
+    keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
+    by_key = dict(zip(keys, [out[k].untyped_storage().data_ptr() for k in keys]))
+    assert len({by_key[k] for k in same}) == 1
+    others = [by_key[k] for k in keys if k not in same and k != "empty"]
+    assert len(set(others)) == len(others) and by_key["base"] not in others
+    assert len(set(ids)) == len(ids) - 2  # (view and t share base's storage)
+    out["norm"].data.add_(1)  # writing one tensor touches no other
+    assert_same({k: out[k] for k in keys if k != "norm"}, {k: state[k] for k in keys if k != "norm"})
+    assert out["np"].dtype == np.float32 and out["np"].tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_packed_storages_read_lazily_and_into_targets(tmp_path):
+    """The lazy reader serves a packed tensor alone (its pack decoded for it), read_into fills a
+    packed target, verify checks every chunk, and ``info`` names the pack."""
+    state = _small_state()
+    p = tmp_path / "a.ckz"
+    ckptzip.save(state, p)
+    with ckptzip.open(p) as r:
+        assert same_bits(r.get_tensor("bf"), state["bf"])
+        assert same_bits(r.get_tensor("steps.7"), state["steps"][7])
+        assert same_bits(r.get_tensor("view"), state["view"])
+        tgt = {"half": torch.empty(100, dtype=torch.float16), "bias": torch.empty(256)}
+        assert sorted(r.read_into(tgt)) == ["bias", "half"]
+        assert same_bits(tgt["half"], state["half"]) and same_bits(tgt["bias"], state["bias"].detach())
+        r.verify()
+        i = next(t["storage"] for t in r.tensor_info() if t["key"] == "bf")
+        assert "in" in r.storages[i] and r.stored_bytes(i) == 0
+    out = subprocess.run([sys.executable, "-m", "ckptzip", "info", str(p), "--json"], capture_output=True,
+                         text=True, check=True)
+    info = json.loads(out.stdout)
+    row = next(t for t in info["tensors"] if t["key"] == "bf")
+    assert "packed_in" in row and row["stored_bytes"] == 0
+    raw = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in _tensors(state)}.values()) \
+        - 0 + state["np"].nbytes + state["np2"].nbytes
+    dedup = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(state)}
+    assert info["raw_bytes"] == sum(dedup.values()) + state["np"].nbytes + state["np2"].nbytes
+    del raw
+
+
+def test_packing_groups_by_device_and_element_type_and_caps_pack_size(monkeypatch):
+    """Packs hold one device and element type, at most PACK_BYTES each; a lone small storage
+    of its kind stays on its own; an unpacked save (PACK_MAX 0) is format 1.4 or older."""
+    refs_state = {f"a{k}": torch.randn(1000) for k in range(10)}
+    refs_state.update({"h": torch.randn(10).half(), "i": torch.arange(5)})
+    b = io.BytesIO()
+    monkeypatch.setattr(pipeline, "PACK_BYTES", 10_000)
+    ckptzip.save(refs_state, b)
+    r = ckptzip.open(io.BytesIO(b.getvalue()))
+    packs = {}
+    for s in r.storages:
+        if "in" in s:
+            packs.setdefault(s["in"][0], []).append(s)
+    assert len(packs) == 5 and all(len(v) == 2 and {x["elem"] for x in v} == {"float32"} for v in packs.values())
+    assert all(r.storages[p]["nbytes"] <= 10_000 for p in packs)
+    assert_same(ckptzip.load(io.BytesIO(b.getvalue())), refs_state)
+    monkeypatch.setattr(pipeline, "PACK_MAX", 0)
+    b = io.BytesIO()
+    ckptzip.save(refs_state, b)
+    assert b.getvalue()[10] < 5 and not any("in" in s for s in ckptzip.open(io.BytesIO(b.getvalue())).storages)
+
+
+def test_incremental_save_against_a_packed_base(tmp_path):
+    """A base whose small storages are packed: an incremental file against it stores those
+    standalone (no delta against a packed storage) and loads bit-exact; its large storages are
+    deltas as before."""
+    g = torch.Generator().manual_seed(1)
+    st0 = {"w": torch.randn(100_000, generator=g), "b": torch.randn(100, generator=g), "c": torch.randn(50, generator=g)}
+    ckptzip.save(st0, tmp_path / "base.ckz")
+    st1 = {k: v + 1e-6 for k, v in st0.items()}
+    res = ckptzip.save(st1, tmp_path / "incr.ckz", base=tmp_path / "base.ckz")
+    assert res["delta_storages"] >= 1
+    assert_same(ckptzip.load(tmp_path / "incr.ckz"), st1)
+
+
+def test_xor_against_a_packed_base_storage_loads(tmp_path):
+    """A file whose xor refers to a packed storage of its base (ckptzip does not write this; a
+    valid file may) loads bit-exact: the base storage is copied out of its pack first."""
+    g = torch.Generator().manual_seed(2)
+    st0 = {"a": torch.randn(100, generator=g), "b": torch.randn(100, generator=g)}
+    ckptzip.save(st0, tmp_path / "base.ckz")
+    st1 = {"a": st0["a"] + 1, "b": st0["b"].clone(), "w": torch.randn(100_000, generator=g)}
+    st0b = dict(st0, w=st1["w"].clone())
+    ckptzip.save(st0b, tmp_path / "base.ckz")
+    ckptzip.save(st1, tmp_path / "incr.ckz", base=tmp_path / "base.ckz")
+    data, doc, rows = read_parts(tmp_path / "incr.ckz")
+    _bd, bdoc, _br = read_parts(tmp_path / "base.ckz")
+    bkeys = {k: n["s"] for k, n in zip(bdoc["root"]["k"], bdoc["root"]["v"])}
+    assert "in" in bdoc["storages"][bkeys["b"]]
+    # storage "b" of the new file: raw zstd -> an xor against the base's packed "b" (all zero)
+    keys = {k: n["s"] for k, n in zip(doc["root"]["k"], doc["root"]["v"])}
+    s = doc["storages"][keys["b"]]
+    if "in" in s:  # (packed in the new file too: rewrite it as a storage of its own)
+        pytest.skip("the incremental file packed b")
+    first, count = s["rows"]
+    import zstandard
+    z = zstandard.ZstdCompressor().compress(bytes(400))
+    off = len(data)
+    data2 = data + z
+    rows = np.concatenate([rows, rows[:1]])
+    rows[-1] = (off, len(z), 400, ckptzip.format.checksum(z), 0)
+    s.update(transforms=[{"id": "xor", "ref": {"base": 0, "storage": bkeys["b"]}}], codec={"id": "zstd"},
+             rows=[len(rows) - 1, 1])
+    doc["n_chunks"] = len(rows)
+    doc.get("bases", [{}])[0].pop("storages", None)
+    doc.get("bases", [{}])[0].pop("chains", None)
+    q = tmp_path / "forged.ckz"
+    write_parts(q, data2, doc, rows)
+    out = ckptzip.load(q)
+    assert same_bits(out["b"], st0["b"]) and same_bits(out["a"], st1["a"])
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda st, i, p: st[i].__setitem__("in", [p]), "pack, start"),
+    (lambda st, i, p: st[i].__setitem__("in", [p, -1]), "pack, start"),
+    (lambda st, i, p: st[i].__setitem__("in", [float(p), 0]), "pack, start"),
+    (lambda st, i, p: st[i].__setitem__("in", [True, 0]), "pack, start"),
+    (lambda st, i, p: st[i].__setitem__("in", [len(st), 0]), "does not exist"),
+    (lambda st, i, p: st[i].__setitem__("in", [i, 0]), "is itself"),
+    (lambda st, i, p: st[p].__setitem__("in", [i, 0]), "packed"),
+    (lambda st, i, p: st[i].__setitem__("in", [p, st[p]["nbytes"] - 1]), "outside its pack"),
+    (lambda st, i, p: st[i].__setitem__("nbytes", st[p]["nbytes"] + 8), "outside its pack"),
+    (lambda st, i, p: st[i].__setitem__("rows", [0, 0]), "no rows"),
+    (lambda st, i, p: st[i].__setitem__("codec", {"id": "zstd"}), "no rows"),
+    (lambda st, i, p: st[i].__setitem__("transforms", []), "no rows"),
+    (lambda st, i, p: st[p].__setitem__("transforms", [{"id": "expref", "ref": {"storage": i}}]
+                                        + st[p].get("transforms", [])), "refers to another|packed"),
+    (lambda st, i, p: st[0 if i else 1].__setitem__("transforms", [{"id": "expref", "ref": {"storage": i}}]), "packed|bytes"),
+])
+def test_forged_packs_are_refused(tmp_path, edit, match):
+    """Every field of a packed storage is checked before anything is allocated or decoded."""
+    p = tmp_path / "a.ckz"
+    ckptzip.save({"x": torch.randn(100), "y": torch.randn(50), "z": torch.randn(30)}, p)
+    data, doc, rows = read_parts(p)
+    st = doc["storages"]
+    i = next(k for k, s in enumerate(st) if "in" in s)
+    edit(st, i, st[i]["in"][0])
+    q = tmp_path / "bad.ckz"
+    write_parts(q, data, doc, rows)
+    with pytest.raises(ckptzip.CorruptFileError, match=match):
+        ckptzip.load(q)
+
+
+def test_packed_storages_count_against_max_bytes(tmp_path):
+    """A load's budget counts the packs it decodes for the storages asked for."""
+    p = tmp_path / "a.ckz"
+    ckptzip.save({"x": torch.randn(1000), "y": torch.randn(1000)}, p)
+    with pytest.raises(ckptzip.ResourceLimitError):
+        ckptzip.load(p, max_bytes=6000)
+    ckptzip.load(p, max_bytes=16000)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=12),
+       dtypes=st.lists(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.uint8]),
+                       min_size=12, max_size=12))
+def test_packed_round_trip_any_small_tensors(sizes, dtypes):
+    g = torch.Generator().manual_seed(len(sizes))
+    state = {}
+    for k, n in enumerate(sizes):
+        x = torch.randint(0, 255, (n * 4,), generator=g, dtype=torch.uint8)
+        d = dtypes[k]
+        state[f"t{k}"] = x.view(d)[: n]
+    b = io.BytesIO()
+    ckptzip.save(state, b)
+    out = ckptzip.load(io.BytesIO(b.getvalue()))
+    assert_same(out, state)
+    ptrs = [out[k].untyped_storage().data_ptr() for k in out if out[k].numel()]
+    assert len(set(ptrs)) == len(ptrs)
+
+
+@pytest.mark.gpu
+def test_packed_storages_on_the_gpu_cross_decode(tmp_path):
+    """CUDA tensors are packed too; a GPU-written file loads on the CPU and the other way round,
+    each tensor in its own storage."""
+    if not cuda_ok():
+        pytest.skip("needs a CUDA GPU with nvCOMP")
+    state = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in _small_state().items()
+             if k not in ("steps",)}
+    p = tmp_path / "g.ckz"
+    ckptzip.save(state, p)
+    assert any("in" in s for s in read_parts(p)[1]["storages"])
+    on_gpu = ckptzip.load(p)
+    assert on_gpu["bf"].is_cuda and on_gpu["bf"].untyped_storage().nbytes() == state["bf"].untyped_storage().nbytes()
+    assert_same({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in on_gpu.items()},
+                {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+    assert_same(ckptzip.load(p, map_location="cpu", decode_device="cpu")["half"], state["half"].cpu())
+    q = tmp_path / "c.ckz"
+    ckptzip.save({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}, q, device="cpu")
+    assert_same(ckptzip.load(q, map_location="cuda")["bf"].cpu(), state["bf"].cpu())
