@@ -278,6 +278,7 @@ def _adam_state():
             "f16": torch.randn(1001, device="cuda").half()[1:], "cpu": torch.randn(3000)}
 
 
+@pytest.mark.usefixtures("no_pack")
 @pytest.mark.parametrize("chunk_size", [1 << 20, 4096])
 def test_snapshot_launch_policy_writes_the_same_bytes(tmp_path, monkeypatch, chunk_size):
     """An async snapshot's encoding (``large_alone=False``: large storages in the multi-segment
@@ -883,6 +884,7 @@ def test_hidelta_incremental_on_gpu_bit_exact(tmp_path, monkeypatch, off):
         assert torch.equal(back[k].view(torch.int32), s2[k].view(torch.int32)), k
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_incremental_gpu_load_locates_expgrid_base_storages(tmp_path, monkeypatch):
     """GPU saves of an Adam state: v is coded ``expgrid`` in the base, and the incremental file
     stores it as ``delta`` against that storage, located by an ``expgrid`` chain in its record

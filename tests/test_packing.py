@@ -251,6 +251,7 @@ def test_packed_storages_on_the_gpu_cross_decode(tmp_path):
         pytest.skip("needs a CUDA GPU with nvCOMP")
     state = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in _small_state().items()
              if k not in ("steps",)}
+    state["steps_like"] = torch.tensor(2.0, device="cuda")
     p = tmp_path / "g.ckz"
     ckptzip.save(state, p)
     assert any("in" in s for s in read_parts(p)[1]["storages"])
@@ -258,7 +259,10 @@ def test_packed_storages_on_the_gpu_cross_decode(tmp_path):
     assert on_gpu["bf"].is_cuda and on_gpu["bf"].untyped_storage().nbytes() == state["bf"].untyped_storage().nbytes()
     assert_same({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in on_gpu.items()},
                 {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
-    assert_same(ckptzip.load(p, map_location="cpu", decode_device="cpu")["half"], state["half"].cpu())
+    z = tmp_path / "z.ckz"  # (a CPU-decodable codec: its packs decoded on the CPU)
+    ckptzip.save(state, z, codec="zstd")
+    assert_same(ckptzip.load(z, map_location="cpu", decode_device="cpu")["half"], state["half"].cpu())
+    assert_same(ckptzip.load(z, map_location="cpu", decode_device="cpu")["steps_like"], state["steps_like"].cpu())
     q = tmp_path / "c.ckz"
     ckptzip.save({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}, q, device="cpu")
     assert_same(ckptzip.load(q, map_location="cuda")["bf"].cpu(), state["bf"].cpu())
