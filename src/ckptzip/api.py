@@ -14,6 +14,7 @@ from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, Job, decode_jobs, empty_byte
                      storage_chain)
 from .errors import BaseCheckpointError, CorruptFileError, GPURequiredError, ResourceLimitError, TensorNotFoundError
 from .format import parse_manifest
+from .engine.memory import HUGE_MIN
 from .io.reader import read_manifest
 from .kernels import triton_kernels
 from .pipeline import prepare, write
@@ -299,19 +300,38 @@ class CheckpointReader:
 
     def _out(self, i: int, t: str = "tensor") -> torch.Tensor:
         """A new output for storage ``i`` (reached by a node of kind ``t``), where it goes."""
-        s = self.manifest.doc["storages"][i]
+        return empty_bytes(self.manifest.doc["storages"][i]["nbytes"], self._out_device(i, t))
+
+    def _out_device(self, i: int, t: str) -> torch.device:
+        """Where storage ``i``'s output goes when a node of kind ``t`` reaches it first."""
         ml = self.map_location if t == "tensor" else "cpu"
         if _maps_storages(ml):
-            dev = torch.device("cpu")  # decoded on the host, then handed to ml(storage, location)
-        else:
-            saved = s.get("device", "cpu") if t == "tensor" else "cpu"
-            key = (saved, ml) if ml is None or isinstance(ml, (str, torch.device)) else None
-            dev = self._devices.get(key) if key is not None else None
+            return torch.device("cpu")  # decoded on the host, then handed to ml(storage, location)
+        saved = self.manifest.doc["storages"][i].get("device", "cpu") if t == "tensor" else "cpu"
+        key = (saved, ml) if ml is None or isinstance(ml, (str, torch.device)) else None
+        dev = self._devices.get(key) if key is not None else None
+        if dev is None:
+            dev = _resolve_device(saved, ml)
+            if key is not None:
+                self._devices[key] = dev
+        return dev
+
+    def _outs(self, kinds: dict[int, str]) -> dict[int, torch.Tensor]:
+        """:meth:`_out` of every storage in ``kinds`` (index -> kind of its first node), each
+        device resolved once per saved device and kind (a load makes hundreds)."""
+        storages = self.storages
+        devs: dict = {}
+        outs = {}
+        empty, u8 = torch.empty, torch.uint8
+        for i, t in kinds.items():
+            s = storages[i]
+            key = (s.get("device", "cpu"), t)
+            dev = devs.get(key)
             if dev is None:
-                dev = _resolve_device(saved, ml)
-                if key is not None:
-                    self._devices[key] = dev
-        return empty_bytes(s["nbytes"], dev)
+                dev = devs[key] = self._out_device(i, t)
+            nb = s["nbytes"]
+            outs[i] = empty(nb, dtype=u8, device=dev) if nb < HUGE_MIN else empty_bytes(nb, dev)
+        return outs
 
     def _job_into(self, i: int, out: torch.Tensor) -> Job:
         """A job that decodes storage ``i`` into ``out``; a reference transform comes back unbound
@@ -572,7 +592,7 @@ class CheckpointReader:
         storages = self.storages
         kinds = {i: t for i, t in sorted(kinds.items()) if 0 <= i < len(storages)}
         self._check_budget(sum(storages[i]["nbytes"] for i in kinds), "the checkpoint")
-        outs = {i: self._out(i, t) for i, t in kinds.items()}
+        outs = self._outs(kinds)
         jobs = {i: self._job_into(i, o) for i, o in outs.items() if "in" not in storages[i]}
         self._decode(outs, jobs, idle=(lambda: early(outs)) if early is not None else None)
         self._place(kinds)
