@@ -1315,7 +1315,7 @@ def test_in_memory_load_builds_the_tree_while_the_pool_decodes(tmp_path, monkeyp
     outs = {i: j.out for i, j in jobs.items()}
     for o in outs.values():
         o.zero_()
-    batch, breaks, _copies = r._plan_fill(outs, jobs)
+    batch, breaks, _copies, _fresh = r._plan_fill(outs, jobs)
     big = r._storage_index(r._node("big"))
 
     def idle():

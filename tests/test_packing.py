@@ -266,3 +266,56 @@ def test_packed_storages_on_the_gpu_cross_decode(tmp_path):
     q = tmp_path / "c.ckz"
     ckptzip.save({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}, q, device="cpu")
     assert_same(ckptzip.load(q, map_location="cuda")["bf"].cpu(), state["bf"].cpu())
+
+
+def test_packed_and_unpacked_saves_of_one_structure_keep_their_plans(tmp_path):
+    """One structure saved packed (full) and unpacked (incremental) in turn with reuse_plan:
+    each save plans its own storages (a plan cached for the other list must not be applied)."""
+    g = torch.Generator().manual_seed(4)
+    st = {"B": torch.randint(0, 9, (3,), dtype=torch.uint8, generator=g),
+          "C": torch.randint(0, 9, (4,), dtype=torch.uint8, generator=g),
+          "A": torch.randn(100_000, generator=g), "D": torch.randn(100_000, generator=g),
+          "a": torch.randn(256, generator=g), "b": torch.randn(256, generator=g), "c": torch.randn(64, generator=g)}
+    ckptzip.save({"x": torch.randn(10)}, tmp_path / "other.ckz")
+    for k in range(3):
+        ckptzip.save(st, tmp_path / f"full{k}.ckz", reuse_plan=True)
+        ckptzip.save(st, tmp_path / f"inc{k}.ckz", base=tmp_path / f"full{k}.ckz", reuse_plan=True)
+        ckptzip.save(st, tmp_path / f"odd{k}.ckz", base=tmp_path / "other.ckz", reuse_plan=True)
+        for name in (f"full{k}", f"inc{k}", f"odd{k}"):
+            assert_same(ckptzip.load(tmp_path / f"{name}.ckz"), st)
+
+
+def test_incremental_manager_with_a_small_model(tmp_path):
+    """CheckpointManager(incremental=True) on a model of small tensors: every step loads back."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    mgr = ckptzip.CheckpointManager(tmp_path, incremental=True, full_every=3)
+    for step in range(1, 5):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.01)
+        mgr.save(step, {"model": m.state_dict()})
+        assert_same(mgr.load(step)["model"], m.state_dict())
+
+
+def test_a_pack_is_decoded_once_for_its_members(tmp_path, monkeypatch):
+    """Reading a pack's members key by key (get_tensor, with keep or not, read_into) decodes the
+    pack once; load() does not keep it."""
+    from ckptzip import api
+    state = {f"t{k}": torch.randn(500) for k in range(40)}
+    p = tmp_path / "a.ckz"
+    ckptzip.save(state, p)
+    seen = []
+    real = api.decode_jobs
+    monkeypatch.setattr(api, "decode_jobs", lambda fd, jobs, *a, **k: (seen.append(len(jobs)), real(fd, jobs, *a, **k))[1])
+    with ckptzip.open(p) as r:
+        tgt = {k: torch.empty(500) for k in list(state)[:5]}
+        assert sorted(r.read_into(tgt)) == sorted(tgt)
+        assert all(same_bits(tgt[k], state[k]) for k in tgt)
+        for keep in (False, True):
+            for k in r.keys():
+                assert same_bits(r.get_tensor(k, keep=keep), state[k])
+    assert sum(seen) == 1, seen
+    with ckptzip.open(p) as r:
+        r.load()
+        assert not r._packs

@@ -15,6 +15,9 @@ from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, Job, decode_jobs, empty_byte
 from .errors import BaseCheckpointError, CorruptFileError, GPURequiredError, ResourceLimitError, TensorNotFoundError
 from .format import parse_manifest
 from .engine.memory import HUGE_MIN
+
+#: decoded packs (format 1.5) a reader keeps for their other members' later reads, in all
+PACK_CACHE_BYTES = 64 << 20
 from .io.reader import read_manifest
 from .kernels import triton_kernels
 from .pipeline import prepare, write
@@ -211,6 +214,9 @@ class CheckpointReader:
             self._fd = None
             raise
         self._cache: dict[int, torch.Tensor] = {}
+        #: decoded packs (format 1.5) kept for later reads of their other members, oldest first,
+        #: at most PACK_CACHE_BYTES in all (lazy readers go key by key: the DCP reader, get_tensor)
+        self._packs: dict[int, torch.Tensor] = {}
         self._chains: dict = {}  # parsed transform chains and codecs (engine.storage_chain)
         self._devices: dict = {}  # (saved device, str or torch.device map_location) -> device
         self._gpu: bool | None = None
@@ -387,9 +393,11 @@ class CheckpointReader:
         the base file straight into the destination), then its residual is applied in place.
         Everything, base storages included, is decoded in one pipelined pass.
         ``made``: jobs already made for these outputs by :meth:`_job_into` (used, not remade)."""
-        batch, breaks, copies = self._plan_fill(outs, made)
+        batch, breaks, copies, fresh = self._plan_fill(outs, made)
         gpu = any(j.codec.device == "cuda" for j in batch)
         decode_jobs(self._fd, batch, gpu_decode_window() if gpu else DEFAULT_WINDOW, prog, breaks, idle)
+        for p, t in fresh.items():  # (decoded and checked: kept for the pack's other members)
+            self._keep_pack(p, t)
         if copies:  # (format 1.5: each packed storage from its pack, once the packs are decoded)
             dsts, srcs = zip(*copies)
             if len({t.device for t in dsts + srcs}) == 1:
@@ -398,18 +406,30 @@ class CheckpointReader:
                 for d, src in copies:
                     d.copy_(src)
 
+    def _keep_pack(self, p: int, t: torch.Tensor) -> None:
+        """Keep decoded pack ``p`` (see ``_packs``), dropping the oldest beyond the limit."""
+        if t.numel() > PACK_CACHE_BYTES:
+            return
+        self._packs.pop(p, None)
+        self._packs[p] = t
+        total = sum(x.numel() for x in self._packs.values())
+        while total > PACK_CACHE_BYTES:
+            total -= self._packs.pop(next(iter(self._packs))).numel()
+
     def _plan_fill(self, outs: dict[int, torch.Tensor], made: dict[int, Job] | None = None
-                   ) -> tuple[list[Job], list[int], list]:
+                   ) -> tuple[list[Job], list[int], list, dict[int, torch.Tensor]]:
         """The jobs of :meth:`_fill`, in decode order, the job indices where a new decode
         group must start (the base file's jobs first, their ``fd`` the base's, then this file's
-        references level by level), and the copies ``(output, slice of its pack)`` that fill
-        packed storages (format 1.5) once the jobs are done."""
+        references level by level), the copies ``(output, slice of its pack)`` that fill
+        packed storages (format 1.5) once the jobs are done, and the packs these jobs decode
+        (a pack decoded by an earlier call is taken from ``_packs``)."""
         need = dict(outs)
         extra = 0  # bytes of temporaries: referred-to storages and packs nobody asked for
         storages = self.storages
         asked = sum(storages[j]["nbytes"] for j in outs if 0 <= j < len(storages))
         jobs: dict[int, Job] = {}
-        packed: dict[int, tuple[int, int]] = {}
+        packed: dict[int, int] = {}
+        fresh: dict[int, torch.Tensor] = {}
         todo = list(need)
         while todo:
             i = todo.pop()
@@ -419,9 +439,13 @@ class CheckpointReader:
             if at is not None:  # (validated: its pack is a storage with chunks, the slice inside it)
                 p = packed[i] = at[0]
                 if p not in need:
+                    kept = self._packs.get(p)
+                    if kept is not None:  # (decoded before: copied from, nothing decoded)
+                        need[p] = kept
+                        continue
                     extra += storages[p]["nbytes"]
                     self._check_budget(asked + extra, "the requested storages with their packs")
-                    need[p] = empty_bytes(storages[p]["nbytes"], need[i].device)
+                    need[p] = fresh[p] = empty_bytes(storages[p]["nbytes"], need[i].device)
                 todo.append(p)
                 continue
             job = made.get(i) if made else None
@@ -465,7 +489,7 @@ class CheckpointReader:
                     if first[j.ref.storage] is not j.out:
                         j.out.copy_(first[j.ref.storage])
             else:
-                pre, pre_breaks, _none = base._plan_fill(first)  # (no packed storage: see shared)
+                pre, pre_breaks, _none, _fresh = base._plan_fill(first)  # (no packed storage: see shared)
                 partial = set() if self._full_planes else {id(j.out) for j in xors if isinstance(j.ref, HiDelta)}
                 # not where another job reads that storage's words: a storage of the base that
                 # refers to it (derived), or the base's own reference transform undone in place
@@ -490,7 +514,7 @@ class CheckpointReader:
         for i, p in packed.items():
             start = storages[i]["in"][1]
             copies.append((need[i], need[p][start:start + storages[i]["nbytes"]]))
-        return pre + batch, breaks, copies
+        return pre + batch, breaks, copies, fresh
 
     def _located_base_jobs(self, xors: list[Job]) -> list[Job] | None:
         """The base's jobs for ``xors`` (storages against the base) planned from this file's
@@ -664,6 +688,7 @@ class CheckpointReader:
         self._prefetch_all(None if _maps_storages(self.map_location) else early)
         obj = built[0] if built else Decoder(self._storage, self.allow_pickle).decode(self.manifest.doc["root"])
         self._cache.clear()
+        self._packs.clear()
         return obj
 
     def verify(self) -> None:
@@ -695,6 +720,7 @@ class CheckpointReader:
             self._full_planes = False
 
     def close(self) -> None:
+        self._packs = {}
         if getattr(self, "_base", None) is not None:
             self._base.close()
             self._base = None

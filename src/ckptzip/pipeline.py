@@ -158,13 +158,18 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
         wire = members = None
         if pack and base is None:
             # small storages are packed rather than tried against a reference (expref, derived,
-            # expgrid: a few bytes at most); a storage a larger one refers to stays whole
-            for i in [i for i in ref_tfs if storages[i].data.numel() <= PACK_MAX]:
-                del ref_tfs[i]
-                alt.pop(i, None)
-            busy = set(ref_tfs) | set(alt) | {rt.storage for rt in ref_tfs.values() if rt.local}
+            # expgrid: a few bytes at most); a storage a larger one refers to stays whole, and
+            # a small one left unpacked keeps its reference unless that storage was packed
+            small = [i for i in ref_tfs if storages[i].data.numel() <= PACK_MAX]
+            large = {i: rt for i, rt in ref_tfs.items() if i not in small}
+            busy = set(large) | set(alt) - set(small) | {rt.storage for rt in large.values() if rt.local}
             packs = pack_groups(storages, busy)
             if packs:
+                put = {i for grp in packs for i in grp}
+                for i in small:
+                    if i in put or ref_tfs[i].local and ref_tfs[i].storage in put:
+                        del ref_tfs[i]
+                        alt.pop(i, None)
                 storages, wire, members, ref_tfs, alt = _packed(storages, packs, ref_tfs, alt)
         total = sum(r.data.numel() for r in storages)
         if stream and planner.dev in STREAM_DEVICES and not reuse_plan and base is None and not alt:
@@ -173,7 +178,8 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
             return SaveJob(root, meta, storages, plans, None, total, None,
                            streamed=lambda: _planned_groups(planner, storages, plans, window, ref_tfs),
                            wire=wire, members=members)
-        plans = planner.plan_all(storages, window, reuse_plan, ref_tfs, alt, memo=memo)
+        plans = planner.plan_all(storages, window, reuse_plan, ref_tfs, alt, memo=memo,
+                                 packs=tuple(wire) if wire is not None else None)
         if bases is not None:  # where the base storages the chosen deltas need are (not every candidate's)
             add_hints(bases[0], base_storages, [p.ref.storage for p in plans if p.ref is not None and p.ref.against_base])
         units = [u for i, (ref, plan) in enumerate(zip(storages, plans))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import threading
+from typing import Any
 
 from collections import OrderedDict
 
@@ -311,18 +312,21 @@ class Planner:
         return plan, variants
 
     def plan_all(self, refs: list[StorageRef], window: int, reuse: bool = False,
-                 ref_tfs: dict | None = None, alt_tfs: dict | None = None, memo: dict | None = None) -> list[Plan]:
+                 ref_tfs: dict | None = None, alt_tfs: dict | None = None, memo: dict | None = None,
+                 packs: Any = None) -> list[Plan]:
         """Plans for every storage. With ``reuse``, the sampled decisions are remembered for the
         same checkpoint layout and options (a training loop saves the same structure again and
         again, with slowly changing statistics), so only the first save of a run pays for
         sampling. ``memo``: the tree structure's (:attr:`ckptzip.tree.Reused.memo`), where the
-        storages' part of that layout's key is kept."""
+        storages' part of that layout's key is kept; ``packs``: what sets ``refs`` apart from
+        the structure's storages (format 1.5 packing: one structure is saved packed, and
+        unpacked where it is incremental), part of that key."""
         local_only = not any(rt.against_base for rt in (ref_tfs or {}).values())
         if not reuse or not local_only or alt_tfs:  # delta/xor: sampled against this save's base, never cached
             return self._plan_all(refs, window, ref_tfs, alt_tfs)
         key = (repr(sorted(self.cfg.items())), self.transform, self.chunk_size, self.level, self.dev,
                self.portable, self.slow_storage, window, self._rot16(),
-               memoized(memo, "plan_refs", None, lambda: tuple((r.data.numel(), r.elem, r.float_width) for r in refs)),
+               memoized(memo, "plan_refs", packs, lambda: tuple((r.data.numel(), r.elem, r.float_width) for r in refs)),
                tuple(sorted((i, rt.layout_key()) for i, rt in (ref_tfs or {}).items())))
         with _PLAN_LOCK:
             cached = _PLAN_CACHE.get(key)
