@@ -1645,3 +1645,26 @@ def test_small_storages_without_planes_keep_whole_words_per_chunk():
         assert ids["h"] == ["derived"], (cs, ids)
         got = ckptzip.load(io.BytesIO(b.getvalue()))
         assert torch.equal(got["h"].view(torch.int16), obj["h"].view(torch.int16)) and torch.equal(got["w"], w)
+
+
+def test_rotate16_keeps_a_constant_sign_coded(monkeypatch):
+    """Raw planes chosen on the whole-word rotation, then moved to ``rotate`` 16: the sign moves
+    from plane 0 to plane 2, so a float32 storage whose sign never changes (Adam's v without
+    expgrid) keeps plane 2 coded, and stores no more than under the whole-word rotation."""
+    import io
+    import ckptzip
+    from ckptzip.engine import planner as planner_mod
+    from ckptzip.engine.planner import rot16_raw_planes
+    assert rot16_raw_planes(frozenset({1, 2})) == frozenset({1})
+    assert rot16_raw_planes(frozenset({0, 1, 2})) == frozenset({0, 1, 2})
+    assert rot16_raw_planes(frozenset({0, 1})) == frozenset({0, 1})
+    g = torch.Generator().manual_seed(0)
+    v = {"v": (torch.randn(400_000, generator=g) * 1e-3) ** 2}  # (positive: a constant sign bit)
+    sizes = {}
+    for rot in (False, True):
+        monkeypatch.setattr(planner_mod, "ROT16_ON_CPU", rot)
+        b = io.BytesIO()
+        ckptzip.save(v, b, device="cpu")
+        sizes[rot] = len(b.getvalue())
+        assert torch.equal(ckptzip.load(io.BytesIO(b.getvalue()))["v"], v["v"])
+    assert sizes[True] <= sizes[False] * 1.001, sizes

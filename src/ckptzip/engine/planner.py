@@ -136,6 +136,19 @@ def cpu_raw_planes(data: torch.Tensor, width: int) -> frozenset:
     return frozenset(int(p) for p in np.nonzero(h > 8 * CPU_RAW_ENTROPY)[0])
 
 
+def rot16_raw_planes(raw: frozenset | None) -> frozenset | None:
+    """The raw planes of a float32 plan sampled with the whole-word rotation, for the same
+    storage under ``rotate`` 16. Plane 3 (the exponent) and plane 1 keep their choice. The sign
+    moves from plane 0 (beside the 7 low mantissa bits) to plane 2 (beside the 7 high ones): plane
+    2 is coded where either of its sources was, so a constant sign (Adam's v, variances) is never
+    stored raw; plane 0 keeps plane 0's choice (where only the sign made it shrink, its chunks
+    are stored raw after the codec's try). Without this, Adam's v without ``expgrid`` went from
+    0.795 to 0.826 of raw on the H100 benchmark state (docs/benchmarks.md, thirty-second session)."""
+    if not raw or 2 not in raw or 0 in raw:
+        return raw
+    return raw - {2}
+
+
 class Planner:
     def __init__(self, codec: str | dict = "auto", transform: str | None = "auto",
                  chunk_size: int = DEFAULT_CHUNK, level: int | None = None, device: str | None = None,
@@ -396,7 +409,8 @@ class Planner:
             # torch path too (a process's first save); not in the seconds between the warm-up's
             # kernels and its rotate-16 kernels (the Triton whole-word kernels are faster than
             # the torch path)
-            plans = [dataclasses.replace(p, transform=BytePlane(4, p.transform.block, 16))
+            plans = [dataclasses.replace(p, transform=BytePlane(4, p.transform.block, 16),
+                                         raw_planes=rot16_raw_planes(p.raw_planes))
                      if p.ref is None and isinstance(p.transform, BytePlane) and p.transform.width == 4
                      and p.transform.rotate is None and refs[i].elem == "float32" else p
                      for i, p in enumerate(plans)]
