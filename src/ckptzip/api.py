@@ -15,9 +15,6 @@ from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, Job, decode_jobs, empty_byte
 from .errors import BaseCheckpointError, CorruptFileError, GPURequiredError, ResourceLimitError, TensorNotFoundError
 from .format import parse_manifest
 from .engine.memory import HUGE_MIN
-
-#: decoded packs (format 1.5) a reader keeps for their other members' later reads, in all
-PACK_CACHE_BYTES = 64 << 20
 from .io.reader import read_manifest
 from .kernels import triton_kernels
 from .pipeline import prepare, write
@@ -30,6 +27,8 @@ from .tree import Decoder, contiguous_stride, tensor_keys, tensor_nodes
 
 Progress = Callable[[int, int], None]  # (bytes just done, total bytes)
 _VERIFY_BATCH = 256 << 20  # decoded bytes per verify batch
+#: decoded packs (format 1.5) a reader keeps for their other members' later reads, in all
+PACK_CACHE_BYTES = 64 << 20
 
 
 def save(obj: Any, path: str | os.PathLike, *, codec: str | dict = "auto", transform: str | None = "auto",
@@ -430,6 +429,7 @@ class CheckpointReader:
         jobs: dict[int, Job] = {}
         packed: dict[int, int] = {}
         fresh: dict[int, torch.Tensor] = {}
+        kept: set[int] = set()  # packs taken from _packs: nothing to decode
         todo = list(need)
         while todo:
             i = todo.pop()
@@ -439,14 +439,15 @@ class CheckpointReader:
             if at is not None:  # (validated: its pack is a storage with chunks, the slice inside it)
                 p = packed[i] = at[0]
                 if p not in need:
-                    kept = self._packs.get(p)
-                    if kept is not None:  # (decoded before: copied from, nothing decoded)
-                        need[p] = kept
-                        continue
-                    extra += storages[p]["nbytes"]
-                    self._check_budget(asked + extra, "the requested storages with their packs")
-                    need[p] = fresh[p] = empty_bytes(storages[p]["nbytes"], need[i].device)
-                todo.append(p)
+                    if p in self._packs:  # (decoded before: copied from, nothing decoded)
+                        need[p] = self._packs[p]
+                        kept.add(p)
+                    else:
+                        extra += storages[p]["nbytes"]
+                        self._check_budget(asked + extra, "the requested storages with their packs")
+                        need[p] = fresh[p] = empty_bytes(storages[p]["nbytes"], need[i].device)
+                if p not in kept:
+                    todo.append(p)
                 continue
             job = made.get(i) if made else None
             if job is None or job.out is not need[i] or job.ref is not None and job.ref.ref is not None:
