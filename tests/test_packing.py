@@ -325,3 +325,21 @@ def test_a_pack_is_decoded_once_for_its_members(tmp_path, monkeypatch):
     with ckptzip.open(p) as r:
         r.load()
         assert not r._packs
+
+
+def test_newer_minor_with_an_unknown_storage_kind_says_so(tmp_path):
+    """A storage record of a kind this reader does not know (no chunk rows, like a 1.5 packed
+    storage to a 1.4 reader) in a file of a newer minor is an UnsupportedVersionError naming
+    both versions; at this reader's minor it is a CorruptFileError."""
+    from ckptzip.format import VERSION
+    p = tmp_path / "a.ckz"
+    ckptzip.save({"x": torch.randn(100), "y": torch.randn(50)}, p)
+    data, doc, rows = read_parts(p)
+    i = next(k for k, s in enumerate(doc["storages"]) if "in" in s)
+    doc["storages"][i] = {"nbytes": doc["storages"][i]["nbytes"], "elem": "float32", "future": [0, 1]}
+    for minor, err in ((VERSION[1] + 1, ckptzip.UnsupportedVersionError), (VERSION[1], ckptzip.CorruptFileError)):
+        doc["version"] = [1, minor]
+        q = tmp_path / f"m{minor}.ckz"
+        write_parts(q, data, doc, rows)
+        with pytest.raises(err, match=f"1.{VERSION[1] + 1} is newer" if minor > VERSION[1] else "rows"):
+            ckptzip.open(q)

@@ -133,6 +133,21 @@ def parse_manifest(raw: bytes, digest: int, data_end: int) -> Manifest:
     _need(_is_int(n) and n >= 0 and tstart + n * ROW.itemsize == len(raw), "chunk table size")
     rows = np.frombuffer(raw, dtype=ROW, count=n, offset=tstart) if n else np.zeros(0, ROW)
     check_rows(rows, data_end)
+    try:
+        total, chains, hints = _check_document(doc, rows, n)
+    except (CorruptFileError, UnknownCodecError) as e:
+        if ver[1] > VERSION[1]:  # a newer minor may add fields, storage kinds and chains this reader refuses
+            raise UnsupportedVersionError(
+                f"format version 1.{ver[1]} is newer than this reader's 1.{VERSION[1]}, and the file uses "
+                f"something it does not know ({e}); upgrade ckptzip") from None
+        raise
+    return Manifest(doc, rows, data_end, total, chains, hints)
+
+
+def _check_document(doc: dict, rows: np.ndarray, n: int) -> tuple[int, list, list]:
+    """The checks of :func:`parse_manifest` after the version: every storage record's chunk
+    rows as a whole, then the one validation pass over every field a reader uses
+    (validate.py); ``(total declared bytes, parsed chains, parsed base-record chains)``."""
     _need(isinstance(doc.get("meta", {}), dict), "meta")
     storages = doc.get("storages")
     _need(isinstance(storages, list), "storages")
@@ -180,15 +195,8 @@ def parse_manifest(raw: bytes, digest: int, data_end: int) -> Manifest:
     # the one validation pass over every field a reader uses (validate.py)
     chains: list = []
     hints: list = []
-    try:
-        total = validate_document(doc, n, chains, hints)
-    except (CorruptFileError, UnknownCodecError) as e:
-        if ver[1] > VERSION[1]:  # a newer minor may add fields and chains this reader refuses
-            raise UnsupportedVersionError(
-                f"format version 1.{ver[1]} is newer than this reader's 1.{VERSION[1]}, and the file uses "
-                f"something it does not know ({e}); upgrade ckptzip") from None
-        raise
-    return Manifest(doc, rows, data_end, total, chains, hints)
+    total = validate_document(doc, n, chains, hints)
+    return total, chains, hints
 
 
 def table_start(jlen: int) -> int:
