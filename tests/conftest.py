@@ -118,6 +118,18 @@ def write_parts(path, data: bytes, doc, rows):
         f.write(data + manifest + fmt.pack_footer(len(data), manifest))
 
 
+def check_newer_minor(tmp_path, data: bytes, doc, rows, corrupt_match: str) -> None:
+    """An edited document is an UnsupportedVersionError naming both versions at a newer minor,
+    and a CorruptFileError (matching ``corrupt_match``) at this reader's own."""
+    import ckptzip
+    for minor, err in ((fmt.VERSION[1] + 1, ckptzip.UnsupportedVersionError), (fmt.VERSION[1], ckptzip.CorruptFileError)):
+        doc["version"] = [1, minor]
+        q = tmp_path / f"m{minor}.ckz"
+        write_parts(q, data, doc, rows)
+        with pytest.raises(err, match=f"1.{fmt.VERSION[1] + 1} is newer" if minor > fmt.VERSION[1] else corrupt_match):
+            ckptzip.open(q)
+
+
 @pytest.fixture
 def no_pack(monkeypatch):
     """Saves that store every storage on its own (no packs, format 1.5): for tests of what
