@@ -374,6 +374,7 @@ def save_chain(tmp_path, name: str, seed: int, n: int = 4):
     return s, paths
 
 
+@pytest.mark.usefixtures("no_pack")
 def test_chain_of_three_and_moved_bases(tmp_path):
     s, paths = save_chain(tmp_path, "s", 10)
     for k in range(4):

@@ -108,7 +108,7 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
     Only for targets :func:`write` can rewrite the header of (plain local files): the header's
     minor version is known once every storage is planned.
 
-    ``pack`` (not with ``base``): small storages are packed (:data:`PACK_MAX`, format 1.5)."""
+    ``pack``: small storages are packed (:data:`PACK_MAX`, format 1.5), incremental saves too."""
     if not isinstance(chunk_size, int) or not 64 <= chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk_size must be between 64 and {MAX_CHUNK} bytes")
     if transform not in ("auto", "byteplane", None):
@@ -156,10 +156,11 @@ def prepare(obj: Any, codec, transform, chunk_size, level, metadata, allow_pickl
             else:
                 ref_tfs[i] = g
         wire = members = None
-        if pack and base is None:
+        if pack:
             # small storages are packed rather than tried against a reference (expref, derived,
-            # expgrid: a few bytes at most); a storage a larger one refers to stays whole, and
-            # a small one left unpacked keeps its reference unless that storage was packed
+            # expgrid, or a delta against the base: a few bytes at most); a storage a larger one
+            # refers to stays whole, and a small one left unpacked keeps its reference unless
+            # that storage was packed
             small = [i for i in ref_tfs if storages[i].data.numel() <= PACK_MAX]
             large = {i: rt for i, rt in ref_tfs.items() if i not in small}
             busy = set(large) | set(alt) - set(small) | {rt.storage for rt in large.values() if rt.local}
