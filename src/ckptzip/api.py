@@ -14,7 +14,6 @@ from .engine import (DEFAULT_CHUNK, DEFAULT_WINDOW, Job, decode_jobs, empty_byte
                      storage_chain)
 from .errors import BaseCheckpointError, CorruptFileError, GPURequiredError, ResourceLimitError, TensorNotFoundError
 from .format import parse_manifest
-from .engine.memory import HUGE_MIN
 from .io.reader import read_manifest
 from .kernels import triton_kernels
 from .pipeline import prepare, write
@@ -327,16 +326,20 @@ class CheckpointReader:
         storages = self.storages
         devs: dict = {}
         outs = {}
-        empty, u8 = torch.empty, torch.uint8
         for i, t in kinds.items():
             s = storages[i]
             key = (s.get("device", "cpu"), t)
             dev = devs.get(key)
             if dev is None:
                 dev = devs[key] = self._out_device(i, t)
-            nb = s["nbytes"]
-            outs[i] = empty(nb, dtype=u8, device=dev) if nb < HUGE_MIN else empty_bytes(nb, dev)
+            outs[i] = empty_bytes(s["nbytes"], dev)
         return outs
+
+    def _jobs(self, outs: dict[int, torch.Tensor]) -> dict[int, Job]:
+        """:meth:`_job_into` for every output but those of packed storages (format 1.5), which
+        :meth:`_plan_fill` fills from their packs."""
+        storages = self.storages
+        return {i: self._job_into(i, o) for i, o in outs.items() if "in" not in storages[i]}
 
     def _job_into(self, i: int, out: torch.Tensor) -> Job:
         """A job that decodes storage ``i`` into ``out``; a reference transform comes back unbound
@@ -600,8 +603,8 @@ class CheckpointReader:
         if i not in self._cache:
             self._check_budget(self.storages[i]["nbytes"], f"storage {i}")
             t = node.get("t", "tensor")
-            out = self._out(i, t)
-            self._decode({i: out}, {} if "in" in self.storages[i] else {i: self._job_into(i, out)})
+            outs = {i: self._out(i, t)}
+            self._decode(outs, self._jobs(outs))
             self._place({i: t})
         return self._cache[i]
 
@@ -618,8 +621,7 @@ class CheckpointReader:
         kinds = {i: t for i, t in sorted(kinds.items()) if 0 <= i < len(storages)}
         self._check_budget(sum(storages[i]["nbytes"] for i in kinds), "the checkpoint")
         outs = self._outs(kinds)
-        jobs = {i: self._job_into(i, o) for i, o in outs.items() if "in" not in storages[i]}
-        self._decode(outs, jobs, idle=(lambda: early(outs)) if early is not None else None)
+        self._decode(outs, self._jobs(outs), idle=(lambda: early(outs)) if early is not None else None)
         self._place(kinds)
 
     def _total_bytes(self) -> int:
@@ -665,8 +667,7 @@ class CheckpointReader:
             done.append(key)
         if outs:
             self._check_budget(sum(self.storages[i]["nbytes"] for i in outs), "the requested tensors")
-            self._fill(outs, None, {i: self._job_into(i, out) for i, out in outs.items()
-                                    if "in" not in self.storages[i]})
+            self._fill(outs, None, self._jobs(outs))
         return done
 
     def load(self) -> Any:

@@ -187,12 +187,11 @@ def _storage(i: int, s: Any, seen: dict | None = None) -> tuple[int, list]:
         raise _bad(f"storage {i} elem")
     if "choice" in s and type(s["choice"]) is not str:
         raise _bad(f"storage {i} choice")
-    if "in" in s:  # format 1.5: bytes [start, start + nbytes) of pack p (checked by _packs)
-        at = s["in"]
+    if "in" in s:  # format 1.5: bytes [start, start + nbytes) of pack p (checked by _packs; that it
+        at = s["in"]  # has no rows, codec or transforms: by format.parse_manifest's row checks)
         if (type(at) is not list or len(at) != 2 or type(at[0]) is not int or type(at[1]) is not int
-                or at[0] < 0 or at[1] < 0 or "rows" in s or "codec" in s or "transforms" in s):
-            raise _bad(f"storage {i}: 'in' must be [pack, start] (non-negative ints), without rows, codec "
-                       f"or transforms")
+                or at[0] < 0 or at[1] < 0):
+            raise _bad(f"storage {i}: 'in' must be [pack, start] (non-negative ints)")
         return nb, []
     codec = s.get("codec")
     if type(codec) is not dict or type(codec.get("id")) is not str:
