@@ -1,6 +1,7 @@
 """Packed storages (format 1.5): small storages of one device and element type are stored back to
 back as one storage and loaded each into a storage of its own."""
 import io
+import os
 import json
 import subprocess
 import sys
@@ -332,3 +333,94 @@ def test_newer_minor_with_an_unknown_storage_kind_says_so(tmp_path):
     i = next(k for k, s in enumerate(doc["storages"]) if "in" in s)
     doc["storages"][i] = {"nbytes": doc["storages"][i]["nbytes"], "elem": "float32", "future": [0, 1]}
     check_newer_minor(tmp_path, data, doc, rows, "rows")
+
+
+@pytest.fixture(scope="module")
+def packed_seed(tmp_path_factory):
+    """A file with several packs (float32, bfloat16, float16, int64 members; views and numpy
+    arrays among them) and its parts, edited by the fuzzer below."""
+    d = tmp_path_factory.mktemp("packfuzz")
+    state = _small_state()
+    state["more"] = [torch.randn(40 + k) for k in range(6)]
+    state["h2"] = torch.randn(50).half()
+    ckptzip.save(state, d / "seed.ckz", chunk_size=4096)
+    data, doc, rows = read_parts(d / "seed.ckz")
+    assert len({s["in"][0] for s in doc["storages"] if "in" in s}) >= 3
+    return d, data, doc, rows
+
+
+_EDGE = [0, 1, 2, 3, 7, 8, -1, 2**31, 2**63 - 1, 2**64, "0", 0.0, None, [], True]
+_FIELDS = ["pack", "start", "nbytes", "elem", "device", "in", "drop_in", "rows", "pack_nbytes", "pack_rows"]
+
+
+@settings(max_examples=int(os.environ.get("CKPTZIP_FUZZ_EXAMPLES", 150)), deadline=None)
+@given(edits=st.lists(st.tuples(st.integers(0, 10_000), st.sampled_from(_FIELDS),
+                                st.one_of(st.sampled_from(_EDGE), st.integers(-4, 600))), min_size=1, max_size=3))
+def test_fuzz_packed_records(packed_seed, edits):
+    """Forged packed-storage records (format 1.5), one to three edits at a time with valid
+    checksums: a member's pack and start set to any value, its size, element type or device
+    changed, ``in`` given to a pack or to a storage with chunks, taken from a member, a pack
+    resized or its rows moved. Every reading path (keys, get_tensor, read_into, load, verify)
+    gives a named error or tensors that lie inside their own storages."""
+    d, data, doc0, rows = packed_seed
+    doc = json.loads(json.dumps(doc0))
+    st_ = doc["storages"]
+    members = [k for k, s in enumerate(st_) if "in" in s]
+    packs = sorted({st_[k]["in"][0] for k in members})
+    for pick, field, v in edits:
+        i = members[pick % len(members)]
+        p = packs[pick % len(packs)]
+        s = st_[i]
+        inn = s.get("in") if isinstance(s.get("in"), list) and len(s["in"]) == 2 else None
+        if field == "pack" and inn:
+            s["in"] = [v, inn[1]]
+        elif field == "start" and inn:
+            s["in"] = [inn[0], v]
+        elif field == "in":
+            st_[pick % len(st_)]["in"] = [p, v] if type(v) is int else v
+        elif field == "drop_in":
+            s.pop("in", None)
+        elif field == "rows":
+            s["rows"] = [v, 1] if type(v) is int else v
+        elif field == "pack_nbytes":
+            st_[p]["nbytes"] = v
+        elif field == "pack_rows":
+            r = st_[p].get("rows")
+            st_[p]["rows"] = [v, r[1]] if type(v) is int and isinstance(r, list) and len(r) == 2 else v
+        elif field == "elem":
+            s["elem"] = ["float32", "bfloat16", "int64", "uint8", "bogus", v][pick % 6]
+        elif field == "device":
+            s["device"] = ["cpu", "cuda:0", "meta", "cuda:7", "disk", v][pick % 6]
+        else:  # nbytes
+            s[field] = v
+    q = d / f"fuzzed-{os.getpid()}.ckz"
+    write_parts(q, data, doc, rows)
+
+    def well_formed(x):
+        for t in _tensors(x):
+            if t.numel():
+                need = (t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+                assert need <= t.untyped_storage().nbytes()
+    steps = [lambda r: [well_formed(r.get_tensor(k)) for k in r.keys()],
+             lambda r: r.read_into({k: torch.empty_like(v) for k, v in _tensors_by_key(r)}),
+             lambda r: well_formed(r.load()), lambda r: r.verify()]
+    for step in steps:
+        try:
+            with ckptzip.open(q) as r:
+                step(r)
+        except ckptzip.CkptzipError:
+            pass
+
+
+def _tensors_by_key(r):
+    """(key, tensor) of the seed's float32 and bfloat16 keys, read from the fuzzed file where
+    they still load (targets for read_into), else none."""
+    out = []
+    for k in r.keys():
+        try:
+            t = r.get_tensor(k, keep=False)
+        except ckptzip.CkptzipError:
+            continue
+        if isinstance(t, torch.Tensor) and t.is_contiguous():
+            out.append((k, t))
+    return out
