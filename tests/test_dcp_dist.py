@@ -275,15 +275,22 @@ def test_async_fsdp2_model_and_optimizer(dist_ckpts):
 
 
 @pytest.mark.parametrize("name", ["mgr", "mgr_async"])
-def test_distributed_manager_rotation_and_layout(dist_ckpts, name):
+def test_distributed_manager_rotation_and_layout(dist_ckpts, name, monkeypatch):
+    import ckptzip.dcp
     root = dist_ckpts[name]
     assert sorted(os.listdir(root)) == ["step-000000020", "step-000000020.commit",
                                         "step-000000030", "step-000000030.commit"]
     mgr = CheckpointManager(root)  # file-mode manager lists distributed checkpoints too
+    reads = []
+    real = ckptzip.dcp.read_metadata
+    monkeypatch.setattr(ckptzip.dcp, "read_metadata", lambda *a, **k: reads.append(a[0]) or real(*a, **k))
     es = mgr.entries()
+    assert len(reads) == 2  # each step's metadata read once: checked, then its bytes summed
+    monkeypatch.undo()
     assert [(e.step, e.status, e.kind, e.name) for e in es] == [(20, "committed", "dcp", "step-000000020"),
                                                                (30, "committed", "dcp", "step-000000030")]
     assert all(e.bytes and e.bytes > 0 for e in es)
+    assert [e.bytes for e in es] == [mgr._dcp_bytes(20), mgr._dcp_bytes(30)]
     marker = json.loads(open(os.path.join(root, "step-000000030.commit")).read())
     dcp_marker = json.loads(open(os.path.join(root, "step-000000030", COMMIT_NAME)).read())
     assert marker == {"step": 30, "dir": "step-000000030", "metadata_sha256": dcp_marker["metadata_sha256"]}

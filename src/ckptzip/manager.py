@@ -392,8 +392,9 @@ class CheckpointManager:
             return {}
         return {os.path.basename(e["name"].rstrip("/")): e for e in found}
 
-    def _check_marker(self, step: int, entry: dict, listing: dict) -> str | None:
-        """Why the marker of ``step`` is invalid, or None when the checkpoint is committed."""
+    def _check_marker(self, step: int, entry: dict, listing: dict, seen: dict | None = None) -> str | None:
+        """Why the marker of ``step`` is invalid, or None when the checkpoint is committed.
+        ``seen``: receives a distributed checkpoint's metadata, read while checking it."""
         if entry.get("type") != "file":
             return f"marker is not a regular file ({entry.get('type')})"
         if (entry.get("size") or 0) > _MARKER_MAX:
@@ -417,7 +418,7 @@ class CheckpointManager:
         if isinstance(s, bool) or not isinstance(s, int) or s != step:
             return f"marker's step {s!r} does not match its name (step {step})"
         if "dir" in info:
-            return self._check_dcp(step, info, listing)
+            return self._check_dcp(step, info, listing, seen)
         if name != _ckz_name(step):
             return f"marker's file {name!r} is not {_ckz_name(step)!r}"
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
@@ -431,9 +432,9 @@ class CheckpointManager:
             return f"{_ckz_name(step)} is {ckz.get('size')} bytes, the marker says {size}"
         return None
 
-    def _check_dcp(self, step: int, info: dict, listing: dict) -> str | None:
+    def _check_dcp(self, step: int, info: dict, listing: dict, seen: dict | None = None) -> str | None:
         """Why the distributed checkpoint ``step`` (its manager marker ``info``) is not
-        committed, or None."""
+        committed, or None; its metadata goes into ``seen`` (by step) when it is."""
         from .dcp import COMMIT_NAME, NO_BYTES_LIMIT, DCPMetadataError, commit_marker, read_metadata
         if info["dir"] != _dir_name(step):
             return f"marker's dir {info['dir']!r} is not {_dir_name(step)!r}"
@@ -463,19 +464,24 @@ class CheckpointManager:
         if sha != info["metadata_sha256"]:
             return f"{_dir_name(step)}/{COMMIT_NAME} belongs to another save than the marker"
         try:
-            read_metadata(here, check_files=True, max_bytes=NO_BYTES_LIMIT)  # (a listing allocates nothing)
+            md = read_metadata(here, check_files=True, max_bytes=NO_BYTES_LIMIT)  # (a listing allocates nothing)
         except DCPMetadataError as e:
             return rel(e)
         except OSError as e:
             return f"unreadable: {rel(e)}"
+        if seen is not None:
+            seen[step] = md
         return None
 
-    def _dcp_bytes(self, step: int) -> int | None:
-        from .dcp import NO_BYTES_LIMIT, read_metadata
-        try:
-            md = read_metadata(self.dir_path(step), check_files=False, max_bytes=NO_BYTES_LIMIT)
-        except Exception:
-            return None
+    def _dcp_bytes(self, step: int, md: Any = None) -> int | None:
+        """The stored bytes of a distributed checkpoint's files, from its metadata (``md``, read
+        here where not given)."""
+        if md is None:
+            from .dcp import NO_BYTES_LIMIT, read_metadata
+            try:
+                md = read_metadata(self.dir_path(step), check_files=False, max_bytes=NO_BYTES_LIMIT)
+            except Exception:
+                return None
         return sum({s.file: s.file_bytes for s in md.storage_data.values()}.values())
 
     def entries(self) -> list[CheckpointEntry]:
@@ -494,6 +500,7 @@ class CheckpointManager:
         listing = self._listing()
         out: list[CheckpointEntry] = []
         marked: set[int] = set()
+        seen: dict = {}  # distributed checkpoints' metadata, read once per step
         for name, e in listing.items():
             m = _MARKER.fullmatch(name)
             if m:
@@ -505,9 +512,9 @@ class CheckpointManager:
                                                f"{_marker_name(step)})", name, None))
                     continue
                 marked.add(step)
-                why = self._check_marker(step, e, listing)
+                why = self._check_marker(step, e, listing, seen)
                 if _dir_name(step) in listing and _ckz_name(step) not in listing:
-                    size = None if why else self._dcp_bytes(step)
+                    size = None if why else self._dcp_bytes(step, seen.get(step))
                     out.append(CheckpointEntry(step, "damaged" if why else "committed", why,
                                                name if why else _dir_name(step), size, "dcp"))
                     continue
