@@ -350,7 +350,13 @@ def test_cli_installed_entry_point(tmp_path):
     assert r.returncode == 0 and "ckptzip" in r.stdout
 
 
-def test_demo_runs(tmp_path):
+def test_demo_runs(tmp_path, capsys):
     from ckptzip.demo import run_demo
     res = run_demo(seconds=1.0, device="cpu", out_dir=str(tmp_path))
     assert res["ckptzip"]["bytes"] < res["torch.save"]["bytes"]
+    out = capsys.readouterr().out.replace("\n", "")  # (rich wraps long lines)
+    assert str(tmp_path / "demo.ckz") in out and "ckptzip info" in out  # where the files are, and what next
+    import ckptzip.cli
+    assert ckptzip.cli.main(["verify", str(tmp_path)]) == 1  # the folder: not a DCP save, name a file
+    err = capsys.readouterr()
+    assert "interrupted" not in err.out + err.err and "'demo.ckz'" in err.out + err.err

@@ -55,6 +55,9 @@ DCP_VERSION = "1.0.0"  # the DCP metadata version this layout corresponds to (Fi
 MAX_METADATA_BYTES = 1 << 30
 MAX_NDIM = 64
 _FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}\.ckz$")
+#: what this module's writer leaves in a step directory before its commit: rank files
+#: (``__{rank}_{0,1}.ckz``) and atomic_write's temporary files of them
+_RANK_RE = re.compile(r"__[0-9]+_[01]\.ckz|\.__[0-9]+_[01]\.ckz\.[a-z0-9_]+\.tmp(?:\.old)?", re.ASCII)
 
 # dtype names accepted in the metadata (only those this torch defines are used).
 _DTYPE_NAMES = (
@@ -128,10 +131,12 @@ def not_a_checkpoint(path: str) -> Exception:
     if any(re.fullmatch(r"step-\d+(\.ckz|\.commit)?", n) for n in names):
         return DCPMetadataError(f"{path}: a CheckpointManager directory, not one checkpoint: list it with "
                                 "`ckptzip ls` and pass a step-N directory or file")
-    if any(_FILE_RE.match(n) or n.endswith(".tmp") for n in names):
+    if any(_RANK_RE.fullmatch(n) for n in names):
         return IncompleteCheckpointError(f"{path}: rank files but no {METADATA_NAME} and no {COMMIT_NAME}: a ckptzip "
                                          "DCP save that is still running or was interrupted (not committed)")
-    return DCPMetadataError(f"{path}: no {METADATA_NAME} and no {COMMIT_NAME}: not a ckptzip DCP checkpoint")
+    ckz = sorted(n for n in names if n.endswith(".ckz"))
+    hint = f"; it holds {ckz[0]!r}{f' and {len(ckz) - 1} more .ckz files' if len(ckz) > 1 else ''}: pass a file" if ckz else ""
+    return DCPMetadataError(f"{path}: no {METADATA_NAME} and no {COMMIT_NAME}: not a ckptzip DCP checkpoint{hint}")
 
 
 def is_checkpoint_dir(path: str) -> bool:

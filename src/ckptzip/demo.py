@@ -88,7 +88,7 @@ def run_demo(seconds: float = 8.0, device: str | None = None, out_dir: str | Non
             assert torch.equal(v.view(torch.uint8).cpu(), back["model"][k].view(torch.uint8).cpu()), k
     base = res["torch.save"]["bytes"]
     t = Table(title=f"one checkpoint of a {steps}-step model + AdamW state ({device})")
-    for c in ("", "bytes", "ratio", "save s", "load s", "bit-exact"):
+    for c in ("", "bytes", "of torch.save's", "save s", "load s", "bit-exact"):
         t.add_column(c, justify="right")
     for name, r in res.items():
         t.add_row(name, f"{r['bytes']:,}", f"{r['bytes'] / base:.3f}", f"{r['save_s']:.3f}",
@@ -96,6 +96,9 @@ def run_demo(seconds: float = 8.0, device: str | None = None, out_dir: str | Non
     console.print(t)
     if tmp:
         tmp.cleanup()
+        console.print("(the files went to a temporary directory, now removed: --out DIR keeps them)")
+    else:
+        console.print(f"files: {pt} and {ckz} (next: ckptzip info {ckz})", soft_wrap=True)
     return res
 
 
