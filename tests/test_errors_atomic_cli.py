@@ -338,8 +338,11 @@ def test_cli_errors_exit_1(tmp_path, capsys):
     q = tmp_path / "bad.ckz"
     q.write_bytes(b"nope")
     assert ckptzip.cli.main(["info", str(q)]) == 1  # a failure; 2 is for usage errors
-    assert capsys.readouterr().err == ("error: CorruptFileError: not a ckptzip file (bad magic) (`ckptzip compress` "
+    assert capsys.readouterr().err == ("error: NotCkptzipFileError: not a ckptzip file (bad magic) (`ckptzip compress` "
                                        "converts a torch.save or safetensors file)\n")
+    with pytest.raises(ckptzip.NotCkptzipFileError):  # (a CorruptFileError, as before)
+        ckptzip.load(q)
+    assert issubclass(ckptzip.NotCkptzipFileError, ckptzip.CorruptFileError)
     q.write_bytes(b"CKPTZ")  # the magic's first bytes: a .ckz cut short
     assert ckptzip.cli.main(["info", str(q)]) == 1
     assert capsys.readouterr().err.startswith("error: TruncatedFileError")

@@ -2,7 +2,7 @@
 __version__ = "0.1.0"
 
 from .errors import (BaseCheckpointError, ChecksumError, CkptzipError, CodecError, CorruptFileError,  # noqa: E402
-                     GPURequiredError, NotARegularFileError, PickleNotAllowedError,
+                     GPURequiredError, NotARegularFileError, NotCkptzipFileError, PickleNotAllowedError,
                      ResourceLimitError, TensorNotFoundError,
                      TruncatedFileError, UnknownCodecError, UnsupportedObjectError,
                      UnsupportedVersionError)
@@ -17,5 +17,5 @@ __all__ = [
     "CkptzipError", "CorruptFileError", "TruncatedFileError", "ChecksumError",
     "UnsupportedVersionError", "UnknownCodecError", "CodecError", "GPURequiredError",
     "PickleNotAllowedError", "UnsupportedObjectError", "TensorNotFoundError", "ResourceLimitError",
-    "NotARegularFileError",
+    "NotARegularFileError", "NotCkptzipFileError",
 ]

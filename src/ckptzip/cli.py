@@ -987,8 +987,8 @@ def main(argv: list[str] | None = None) -> int:
         from .errors import ResourceLimitError
         if isinstance(e, ResourceLimitError):
             hint += " (command line: --max-bytes)"
-        from .format import NOT_CKZ
-        if isinstance(e, CorruptFileError) and str(e) == NOT_CKZ:
+        from .errors import NotCkptzipFileError
+        if isinstance(e, NotCkptzipFileError):
             hint += " (`ckptzip compress` converts a torch.save or safetensors file)"
         error_line(f"{_named(e)}{hint}")
         return 1

@@ -10,6 +10,11 @@ class CorruptFileError(CkptzipError):
     """The file is not a valid .ckz file: bad magic, malformed manifest, sizes or offsets that lie."""
 
 
+class NotCkptzipFileError(CorruptFileError):
+    """The file does not start with ckptzip's magic: another format (a torch.save or safetensors
+    file, which ``ckptzip compress`` converts) or no checkpoint at all."""
+
+
 class TruncatedFileError(CorruptFileError):
     """The file ends before a structure it declares (header, footer, manifest or a chunk)."""
 

@@ -13,7 +13,7 @@ import numpy as np
 import xxhash
 
 from .codecs.base import MAX_CHUNK
-from .errors import (ChecksumError, CorruptFileError, TruncatedFileError, UnknownCodecError,
+from .errors import (ChecksumError, CorruptFileError, NotCkptzipFileError, TruncatedFileError, UnknownCodecError,
                      UnsupportedVersionError)
 from .validate import MAX_DEPTH, load_document, validate_document
 
@@ -67,18 +67,18 @@ def pack_footer(manifest_offset: int, manifest: bytes) -> bytes:
     return FOOTER.pack(manifest_offset, len(manifest), checksum(manifest), FOOTER_MAGIC)
 
 
-#: the CorruptFileError message of a file that does not start with the magic (the CLI adds a hint to it)
+#: the NotCkptzipFileError message of a file that does not start with the magic (the CLI adds a hint to it)
 NOT_CKZ = "not a ckptzip file (bad magic)"
 
 
 def check_header(raw: bytes) -> None:
     if len(raw) < HEADER_SIZE:
         if raw[:len(MAGIC)] != MAGIC[:len(raw)]:  # (a short file of something else is no truncated .ckz)
-            raise CorruptFileError(NOT_CKZ)
+            raise NotCkptzipFileError(NOT_CKZ)
         raise TruncatedFileError("file is shorter than the 16-byte header")
     magic, major, minor, _flags = HEADER.unpack(raw[:HEADER_SIZE])
     if magic != MAGIC:
-        raise CorruptFileError(NOT_CKZ)
+        raise NotCkptzipFileError(NOT_CKZ)
     if major != VERSION[0]:
         raise UnsupportedVersionError(f"format version {major}.{minor}; this reader reads {VERSION[0]}.x")
 
