@@ -35,7 +35,8 @@ from .codecs.base import MAX_CHUNK
 from .cost import CostInputs, monthly_cost
 from .engine import DEFAULT_CHUNK
 from .storage import is_url
-from .errors import CkptzipError, CorruptFileError
+from .errors import (CkptzipError, CorruptFileError, NotCkptzipFileError, PickleNotAllowedError, ResourceLimitError,
+                     UnsupportedObjectError)
 
 
 class CorruptDCPError(CorruptFileError):
@@ -981,13 +982,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except CkptzipError as e:
         trace()
-        from .errors import PickleNotAllowedError, UnsupportedObjectError
         hint = " (command line: --allow-pickle)" if isinstance(
             e, (PickleNotAllowedError, UnsupportedObjectError)) and "--allow-pickle" not in str(e) else ""
-        from .errors import ResourceLimitError
         if isinstance(e, ResourceLimitError):
             hint += " (command line: --max-bytes)"
-        from .errors import NotCkptzipFileError
         if isinstance(e, NotCkptzipFileError):
             hint += " (`ckptzip compress` converts a torch.save or safetensors file)"
         error_line(f"{_named(e)}{hint}")
