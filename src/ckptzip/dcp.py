@@ -135,7 +135,8 @@ def not_a_checkpoint(path: str) -> Exception:
         return IncompleteCheckpointError(f"{path}: rank files but no {METADATA_NAME} and no {COMMIT_NAME}: a ckptzip "
                                          "DCP save that is still running or was interrupted (not committed)")
     ckz = sorted(n for n in names if n.endswith(".ckz"))
-    hint = f"; it holds {ckz[0]!r}{f' and {len(ckz) - 1} more .ckz files' if len(ckz) > 1 else ''}: pass a file" if ckz else ""
+    more = f" and {len(ckz) - 1} more .ckz files" if len(ckz) > 1 else ""
+    hint = f"; it holds {ckz[0]!r}{more}: pass a file" if ckz else ""
     return DCPMetadataError(f"{path}: no {METADATA_NAME} and no {COMMIT_NAME}: not a ckptzip DCP checkpoint{hint}")
 
 
